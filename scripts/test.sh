@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up from nothing (scripts/setup.sh) and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python -m pytest -n 2 --dist loadgroup "$@"

@@ -1,0 +1,3 @@
+from moeshard.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""`moeshard bench layer`: one rank's MoE layer vs. transformers' Qwen3-MoE block and a dense GEMM.
+
+Every contender runs in this process on the same random weights and inputs, and each transformers
+variant's output is checked against moeshard's before it is timed, so the table compares equal work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from transformers import Qwen3MoeConfig
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from moeshard.moe import MoEConfig, MoELayer, MoEWeights, RouterConfig, moe_forward_context
+
+CFG = MoEConfig(hidden=1024, num_experts=64, intermediate=256, router=RouterConfig(top_k=8, scoring="softmax", renormalize=True))
+SHAPES = {"decode": 8, "prefill": 2048}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Outputs are O(1); bf16 carries ~3 significant digits, so a few ulps at |y| ≈ 2-4 is ~5e-2.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+WARMUP = 2
+# These kernels exist only for Hopper-class CUDA GPUs; this benchmark runs on the CPU.
+CUDA_ONLY = {
+    "deepgemm": "CUDA-only (SM90+ and the deep-gemm hub kernel)",
+    "sonicmoe": "CUDA-only (SM90+ and the sonic-moe CuteDSL kernels)",
+}
+
+
+@dataclass
+class Row:
+    shape: str
+    tokens: int
+    impl: str
+    median_ms: float
+    ratio_to_moeshard: float
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def hf_block(weights: MoEWeights, impl: str, dtype: torch.dtype) -> Qwen3MoeSparseMoeBlock:
+    config = Qwen3MoeConfig(
+        hidden_size=CFG.hidden, num_experts=CFG.num_experts, num_experts_per_tok=CFG.router.top_k,
+        moe_intermediate_size=CFG.intermediate, norm_topk_prob=CFG.router.renormalize, experts_implementation=impl,
+    )
+    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.copy_(weights.router_ED)
+        block.experts.gate_up_proj.copy_(weights.gate_up_EFD)
+        block.experts.down_proj.copy_(weights.down_EDI)
+    return block.to(dtype).eval()
+
+
+def skip_reason(impl: str, tokens: int, dtype: torch.dtype) -> str | None:
+    if impl in CUDA_ONLY:
+        return CUDA_ONLY[impl]
+    if impl == "batched_mm":
+        # batched_mm gathers a private copy of the gate/up and down weights for every (token, expert) pair.
+        need = tokens * CFG.router.top_k * 3 * CFG.hidden * CFG.intermediate * dtype.itemsize
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need > free // 2:
+            return f"its per-pair weight copies need {need / 2**30:.0f} GiB; {free / 2**30:.0f} GiB free"
+    return None
+
+
+def parity(layer: MoELayer, block: Qwen3MoeSparseMoeBlock, x_TD: torch.Tensor, y_TD: torch.Tensor) -> tuple[float, int]:
+    """(max |Δ| over tokens both route alike, tokens routed differently).
+
+    transformers scores the router in the activation dtype, moeshard in fp32, so in bf16 near-tied
+    experts can swap; such tokens do the same amount of work but cannot be compared.
+    """
+    ids_TK, _ = layer.router(x_TD)
+    _, _, hf_ids_TK = block.gate(x_TD)
+    same_T = (ids_TK.sort(dim=1).values == hf_ids_TK.sort(dim=1).values).all(dim=1)
+    diff_TD = (block(x_TD.unsqueeze(0)).squeeze(0).float() - y_TD.float()).abs()
+    return diff_TD[same_T].max().item(), int((~same_T).sum())
+
+
+def dense_gemm(tokens: int, dtype: torch.dtype, g: torch.Generator) -> Callable[[], torch.Tensor]:
+    """One matmul with the experts' FLOPs: each (token, expert) pair costs D·2I + I·D = 3·D·I MACs,
+    so [T·K, D] @ [D, 3I] has them all with the same M as the grouped GEMMs, through one weight."""
+    x_PD = torch.randn(tokens * CFG.router.top_k, CFG.hidden, generator=g).to(dtype)
+    w_DN = torch.randn(CFG.hidden, 3 * CFG.intermediate, generator=g).to(dtype)
+    return lambda: x_PD @ w_DN
+
+
+def bench_shape(shape, layer, weights, dtype, repeats, advance) -> tuple[list[Row], dict[str, str]]:
+    """Rows for moeshard, every runnable transformers variant and the dense GEMM; notes per impl."""
+    tokens = SHAPES[shape]
+    g = torch.Generator().manual_seed(1)
+    x_TD = torch.randn(tokens, CFG.hidden, generator=g).to(dtype)
+    # One context around the timing: the engine enters it once per step, not once per layer.
+    with moe_forward_context(tokens):
+        y_TD = layer(x_TD)
+        times = {"moeshard": median_ms(lambda: layer(x_TD), repeats)}
+    advance(f"{shape}: moeshard")
+    notes = {}
+    for impl in ["eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()]:
+        name = f"transformers/{impl}"
+        notes[name] = skip_reason(impl, tokens, dtype)
+        if notes[name] is None:
+            block = hf_block(weights, impl, dtype)
+            max_diff, rerouted = parity(layer, block, x_TD, y_TD)
+            ok = max_diff <= TOLERANCE[dtype]
+            notes[name] = f"{'ok' if ok else 'DISAGREES'} max|Δ| {max_diff:.1e}" + (f", {rerouted} tok rerouted" if rerouted else "")
+            times[name] = median_ms(lambda: block(x_TD.unsqueeze(0)), repeats)
+        advance(f"{shape}: {name}")
+    times["dense_gemm"] = median_ms(dense_gemm(tokens, dtype, g), repeats)
+    advance(f"{shape}: dense GEMM")
+    rows = [Row(shape, tokens, impl, ms, ms / times["moeshard"]) for impl, ms in times.items()]
+    return rows, notes
+
+
+def shape_table(rows: list[Row], notes: dict[str, str | None], dtype_name: str) -> Table:
+    table = Table(title=f"{rows[0].shape}: T={rows[0].tokens}, {dtype_name}")
+    for column in ("implementation", "median ms", "ratio", "tokens/s", "parity vs moeshard"):
+        table.add_column(column, justify="left" if column in ("implementation", "parity vs moeshard") else "right")
+    timed = {r.impl: r for r in rows if r.impl != "dense_gemm"}
+    for impl in ["moeshard", *notes]:
+        r = timed.get(impl)
+        note = notes.get(impl) or "reference"
+        if r is None:
+            table.add_row(impl, "—", "—", "—", f"skipped: {note}")
+        else:
+            style = "red" if note.startswith("DISAGREES") else None
+            table.add_row(impl, f"{r.median_ms:.3f}", f"{r.ratio_to_moeshard:.2f}", f"{r.tokens / r.median_ms * 1e3:,.0f}", note, style=style)
+    return table
+
+
+def run_bench_layer(args) -> int:
+    dtype = DTYPES[args.dtype]
+    weights = MoEWeights.random(CFG, seed=0)
+    layer = MoELayer(CFG, weights, dtype=dtype, name="bench.layer")
+    console = Console(highlight=False)
+    impls = 2 + len(ALL_EXPERTS_FUNCTIONS.valid_keys()) + 1  # moeshard, eager, the registered ones, dense
+    rows, disagreed = [], False
+    with torch.inference_mode(), Progress(
+        TextColumn("[bold]bench layer[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:
+        task = progress.add_task("", total=len(SHAPES) * impls)
+        for shape in SHAPES:
+            shape_rows, notes = bench_shape(
+                shape, layer, weights, dtype, args.repeats, lambda what: progress.update(task, advance=1, description=what)
+            )
+            rows += shape_rows
+            disagreed |= any(n and n.startswith("DISAGREES") for n in notes.values())
+            progress.console.print(shape_table(shape_rows, notes, args.dtype))
+            dense = shape_rows[-1]
+            progress.console.print(
+                f"dense GEMM [{dense.tokens * CFG.router.top_k}, {CFG.hidden}] @ [{CFG.hidden}, {3 * CFG.intermediate}] "
+                f"(same FLOPs): {dense.median_ms:.3f} ms; moeshard is {1 / dense.ratio_to_moeshard:.1f}× dense-GEMM time\n"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return 1 if disagreed else 0

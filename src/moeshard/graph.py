@@ -1,0 +1,26 @@
+"""Compile as a serving engine does: once, with dynamic shapes, and with no guards on runtime state.
+
+Guards are dropped (as vLLM's compiled runner bypasses them), so the compiled code runs for every
+batch size and whatever the live communication method is: anything a graph decided while it was
+traced stays decided. That is what makes the runtime-aware custom ops necessary, and what the
+replay tests exercise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compile_for_serving(module: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:
+    """`torch.compile(module)` with dynamic shapes and every guard skipped.
+
+    With guards skipped, a cached graph would also be reused by another module running the same
+    code, so the Dynamo cache is cleared first: one compiled module per process at a time.
+    """
+    torch._dynamo.reset()
+    return torch.compile(
+        module,
+        dynamic=True,
+        backend=backend,
+        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+    )

@@ -1,0 +1,21 @@
+"""The MoE layer: router, experts, dispatch (one module per method), runtime-aware reductions."""
+
+from moeshard.moe.config import CommMethod, MoEConfig, RouterConfig, SelectionPolicy, SharedLayout
+from moeshard.moe.context import ForwardContext, get_forward_context, moe_forward_context
+from moeshard.moe.layer import MoELayer
+from moeshard.moe.reference import reference_moe
+from moeshard.moe.weights import MoEWeights
+
+__all__ = [
+    "CommMethod",
+    "ForwardContext",
+    "MoEConfig",
+    "MoELayer",
+    "MoEWeights",
+    "RouterConfig",
+    "SelectionPolicy",
+    "SharedLayout",
+    "get_forward_context",
+    "moe_forward_context",
+    "reference_moe",
+]

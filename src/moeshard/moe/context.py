@@ -1,0 +1,68 @@
+"""The per-forward context: which communication method is live for this step, and why.
+
+The live method is never module state: it is set here once per forward (outside any compiled code)
+and read only by the real implementations of moeshard's custom ops, at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from moeshard.moe.config import CommMethod, SelectionPolicy
+from moeshard.parallel import state
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    method: CommMethod
+    num_tokens: int  # max MoE-input rows over all ranks: every rank pads to this
+    tokens_per_rank: tuple[int, ...]
+
+
+def select_method(num_tokens: int, ep_size: int, policy: SelectionPolicy, force: CommMethod | None) -> CommMethod:
+    """DESIGN.md §2: no EP → ALLGATHER; fits MC2's capacity → MC2 (or FUSED_MC2); else ALLTOALL."""
+    if force is not None:
+        if force.needs_ep and ep_size == 1 and state.get_parallel_state().layout.world_size > 1:
+            raise ValueError(f"{force.name} needs expert parallelism, but this layout runs with EP off.")
+        if force in (CommMethod.MC2, CommMethod.FUSED_MC2) and num_tokens > policy.mc2_capacity:
+            raise ValueError(
+                f"{force.name} was forced for {num_tokens} tokens per rank, over its capacity of "
+                f"{policy.mc2_capacity}; raise mc2_capacity or use ALLTOALL."
+            )
+        return force
+    if ep_size == 1:
+        return CommMethod.ALLGATHER
+    if num_tokens <= policy.mc2_capacity:
+        return CommMethod.FUSED_MC2 if policy.fused_mc2 else CommMethod.MC2
+    return CommMethod.ALLTOALL
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("an MoE layer ran outside moe_forward_context(); the engine sets it once per step.")
+    return _current
+
+
+@contextlib.contextmanager
+def moe_forward_context(
+    num_local_tokens: int, policy: SelectionPolicy = SelectionPolicy(), force: CommMethod | None = None
+) -> Iterator[ForwardContext]:
+    """Agree with every rank on the step's token counts (one host sync) and fix the method.
+
+    `num_local_tokens` is the rows this rank feeds its MoE layers (its SP slice under SP).
+    """
+    global _current
+    parallel = state.get_parallel_state()
+    counts = tuple(state.gather_ints(num_local_tokens, parallel.ep_group))
+    num_tokens = max(counts)
+    method = select_method(num_tokens, parallel.layout.ep_size, policy, force)
+    previous, _current = _current, ForwardContext(method, num_tokens, counts)
+    try:
+        yield _current
+    finally:
+        _current = previous

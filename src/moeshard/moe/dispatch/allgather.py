@@ -1,0 +1,49 @@
+"""ALLGATHER: gather every token to every rank, compute the local experts, reduce-scatter back.
+
+The gather group is the set of ranks whose tokens differ while their experts (or expert shards)
+are disjoint:
+    EP on,  no SP: the DP group (one rank per DP group with this tp_rank) — output partial over TP
+    EP on,  SP:    the whole EP group                                      — output complete
+    EP off, no SP: none: rows are already replicated over TP               — output partial over TP
+    EP off, SP:    the TP group                                            — output complete
+"""
+
+from __future__ import annotations
+
+from moeshard.moe.config import CommMethod
+from moeshard.moe.dispatch.base import Dispatched, Prepared, TokenDispatcher, pad_routing, sum_over_topk, unsort
+from moeshard.moe.experts import group_by_expert
+from moeshard.parallel import state
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    method = CommMethod.ALLGATHER
+
+    def __init__(self, num_experts, parallel):
+        super().__init__(num_experts, parallel)
+        layout = parallel.layout
+        if layout.sp:
+            self.group = parallel.ep_group if layout.ep else parallel.tp_group
+        else:
+            self.group = parallel.dp_group if layout.ep else None
+
+    def prepare(self, x_TD, topk_ids_TK, topk_weights_TK, ctx):
+        padded = pad_routing(x_TD, topk_ids_TK, topk_weights_TK, ctx.num_tokens)
+        if self.group is not None:
+            padded = tuple(state.all_gather(tensor, self.group) for tensor in padded)
+        return Prepared(*padded, input_rows=x_TD.shape[0])
+
+    def dispatch(self, prepared):
+        K = prepared.topk_ids_RK.shape[1]
+        labels_P = self.maps.label_E[prepared.topk_ids_RK.flatten()]
+        order_P, group_ends_L = group_by_expert(labels_P, self.maps.num_local)
+        return Dispatched(prepared.x_RD[order_P // K], group_ends_L, order_P)
+
+    def combine(self, y_MD, dispatched, prepared):
+        # Pairs whose expert lives elsewhere were not computed here: their rows are zeros.
+        return sum_over_topk(unsort(y_MD, dispatched.state), prepared.topk_weights_RK)
+
+    def finalize(self, y_RD, prepared):
+        if self.group is not None:
+            y_RD = state.reduce_scatter(y_RD, self.group)
+        return y_RD[: prepared.input_rows]

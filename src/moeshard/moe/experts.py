@@ -1,0 +1,74 @@
+"""This rank's routed experts, computed grouped: rows arrive sorted by expert, one GEMM per expert.
+
+With EP on, the rank holds L = E / W whole experts; with EP off, all E experts, each sharded along
+the intermediate dimension over TP. Either way the computation is the same: a SwiGLU per group of
+contiguous rows, via `grouped_mm` where the build and the shapes allow, else one GEMM per slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def group_by_expert(labels_M: torch.Tensor, num_groups: int):
+    """Order rows by label; labels equal to `num_groups` mean "not computed here" and go last.
+
+    Returns (order_M, group_ends_L): rows `order_M[group_ends_L[l-1]:group_ends_L[l]]` have label l.
+    Fixed shapes and no host sync, so it runs the same under CUDA-graph capture.
+    """
+    order_M = torch.argsort(labels_M, stable=True)
+    counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=labels_M.device)
+    counts.scatter_add_(0, labels_M, torch.ones_like(labels_M))
+    return order_M, counts[:num_groups].cumsum(0).to(torch.int32)
+
+
+def _grouped_mm_fits(x_MD: torch.Tensor, w: torch.Tensor) -> bool:
+    # grouped_mm needs 16-byte aligned row strides and a float type it has kernels for.
+    align = 16 // x_MD.element_size()
+    return (
+        hasattr(F, "grouped_mm")
+        and x_MD.dtype in _GROUPED_MM_DTYPES
+        and x_MD.shape[-1] % align == 0
+        and w.shape[-1] % align == 0
+    )
+
+
+def grouped_linear(x_MD: torch.Tensor, w_LDN: torch.Tensor, group_ends_L: torch.Tensor) -> torch.Tensor:
+    """Rows of group l times `w_LDN[l]`; rows past the last group end are left undefined."""
+    if _grouped_mm_fits(x_MD, w_LDN):
+        return F.grouped_mm(x_MD, w_LDN, offs=group_ends_L)
+    out = x_MD.new_empty((x_MD.shape[0], w_LDN.shape[-1]))
+    start = 0
+    for l, end in enumerate(group_ends_L.tolist()):
+        torch.matmul(x_MD[start:end], w_LDN[l], out=out[start:end])
+        start = end
+    return out
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts: `down(silu(gate(x)) * up(x))`, weights stored for grouped GEMMs."""
+
+    def __init__(self, gate_up_LFD: torch.Tensor, down_LDI: torch.Tensor):
+        super().__init__()
+        # [L, D, F] and [L, I, D]: contiguous in the layout grouped_mm reads.
+        self.w13_LDF = nn.Parameter(gate_up_LFD.transpose(1, 2).contiguous(), requires_grad=False)
+        self.w2_LID = nn.Parameter(down_LDI.transpose(1, 2).contiguous(), requires_grad=False)
+
+    @property
+    def num_local(self) -> int:
+        return self.w13_LDF.shape[0]
+
+    def forward(self, x_MD: torch.Tensor, group_ends_L: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(x_MD, self.w13_LDF, self.w2_LID, group_ends_L)
+
+
+def grouped_swiglu(x_MD, w13_LDF, w2_LID, group_ends_L: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by local expert; rows past `group_ends_L[-1]` come back as zeros."""
+    gate_MI, up_MI = grouped_linear(x_MD, w13_LDF, group_ends_L).chunk(2, dim=-1)
+    y_MD = grouped_linear(F.silu(gate_MI) * up_MI, w2_LID, group_ends_L)
+    valid_M1 = (torch.arange(x_MD.shape[0], device=x_MD.device) < group_ends_L[-1]).unsqueeze(1)
+    return torch.where(valid_M1, y_MD, torch.zeros((), dtype=y_MD.dtype, device=y_MD.device))

@@ -1,0 +1,127 @@
+"""The expert-parallel MoE layer: router → routed experts (live method) → reductions → shared add.
+
+    y = final( shared_point(S(x)) + transform( routed_early( routed(x) ) ) )
+
+`routed(x)` is the custom op `moeshard::routed_experts`: its real implementation reads the live
+method from the forward context and runs that method's dispatcher, so one compiled graph serves
+every method. The reduction points are inserted by the static plan and decide at run time whether
+to reduce (moeshard.moe.reduce).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moeshard.moe.config import CommMethod, MoEConfig
+from moeshard.moe.context import get_forward_context
+from moeshard.moe.dispatch import DISPATCHERS
+from moeshard.moe.experts import GroupedExperts
+from moeshard.moe.reduce import Point, ReductionPlan, reduce_at
+from moeshard.moe.router import Router
+from moeshard.moe.shared import SharedExperts
+from moeshard.moe.weights import MoEWeights, shard_down, shard_gate_up
+from moeshard.parallel.state import ParallelState, get_parallel_state
+
+# Custom ops find their layer by name (a string survives tracing; a module reference does not).
+_LAYERS: "weakref.WeakValueDictionary[str, MoELayer]" = weakref.WeakValueDictionary()
+_unnamed = itertools.count()
+
+
+def get_layer(name: str) -> "MoELayer":
+    return _LAYERS[name]
+
+
+def rank_experts(cfg: MoEConfig, weights: MoEWeights, parallel: ParallelState) -> GroupedExperts:
+    """EP on: this rank's contiguous block of whole experts. EP off: every expert's TP shard."""
+    layout = parallel.layout
+    if layout.ep:
+        L = cfg.num_experts // layout.ep_size
+        block = slice(parallel.ep_rank * L, (parallel.ep_rank + 1) * L)
+        return GroupedExperts(weights.gate_up_EFD[block], weights.down_EDI[block])
+    return GroupedExperts(
+        shard_gate_up(weights.gate_up_EFD, parallel.tp_rank, layout.tp),
+        shard_down(weights.down_EDI, parallel.tp_rank, layout.tp),
+    )
+
+
+class MoELayer(nn.Module):
+    """One MoE layer on this rank, built from the full weights for the current parallel layout.
+
+    Input and output: [T, D] — the DP group's rows (replicated over TP), or under SP this rank's
+    slice. The output is complete (every partial sum reduced exactly once).
+    """
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        weights: MoEWeights,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        dtype: torch.dtype = torch.float32,
+        name: str | None = None,
+    ):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.parallel = parallel = get_parallel_state()
+        layout = parallel.layout
+        layout.validate(
+            num_experts=cfg.num_experts, intermediate=cfg.intermediate, shared_intermediate=cfg.shared_intermediate
+        )
+        self.name = name or f"moe.{next(_unnamed)}"
+        if self.name in _LAYERS:
+            raise ValueError(f"an MoE layer named {self.name!r} already exists; layer names must be unique.")
+        _LAYERS[self.name] = self
+        self.dtype = dtype
+        weights = weights.to(dtype, parallel.device)
+        self.router = Router(cfg.router, weights.router_ED, weights.score_bias_E)
+        self.experts = rank_experts(cfg, weights, parallel)
+        self.shared = SharedExperts(cfg, weights, parallel) if cfg.has_shared else None
+        self.transform = transform
+        self.plan = ReductionPlan.for_layer(cfg.shared_layout if cfg.has_shared else None, transform is not None, layout)
+        runnable = list(CommMethod) if layout.ep or layout.world_size == 1 else [CommMethod.ALLGATHER]
+        self.dispatchers = {m: DISPATCHERS[m](cfg.num_experts, parallel) for m in runnable}
+
+    def check_input(self, x_TD: torch.Tensor) -> None:
+        if x_TD.dim() != 2 or x_TD.shape[1] != self.cfg.hidden or x_TD.dtype != self.dtype:
+            raise ValueError(
+                f"MoE layer {self.name!r} takes a [tokens, {self.cfg.hidden}] tensor of {self.dtype}, "
+                f"got shape {tuple(x_TD.shape)} of {x_TD.dtype}."
+            )
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        self.check_input(x_TD)
+        topk_ids_TK, topk_weights_TK = self.router(x_TD)
+        routed_TD = torch.ops.moeshard.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.name)
+        if self.plan.routed_early:
+            routed_TD = self.reduce(routed_TD, Point.ROUTED_EARLY)
+        if self.transform is not None:
+            routed_TD = self.transform(routed_TD)
+        out_TD = routed_TD
+        if self.shared is not None:
+            shared_TD = self.shared(x_TD)
+            if self.plan.shared:
+                shared_TD = self.reduce(shared_TD, Point.SHARED)
+            out_TD = shared_TD + routed_TD
+        if self.plan.final:
+            out_TD = self.reduce(out_TD, Point.FINAL)
+        return out_TD
+
+    def reduce(self, x: torch.Tensor, point: Point) -> torch.Tensor:
+        return reduce_at(x, point, self.plan, self.parallel.layout.sp)
+
+
+@torch.library.custom_op("moeshard::routed_experts", mutates_args=())
+def routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """Dispatch → experts → combine with the method live in this forward's context."""
+    layer = get_layer(layer_name)
+    ctx = get_forward_context()
+    return layer.dispatchers[ctx.method].run(x_TD, topk_ids_TK, topk_weights_TK, layer.experts, ctx)
+
+
+@routed_experts.register_fake
+def _(x_TD, topk_ids_TK, topk_weights_TK, layer_name):
+    return torch.empty_like(x_TD)

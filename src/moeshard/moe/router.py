@@ -1,0 +1,47 @@
+"""Top-k routing: softmax or sigmoid scores, optional grouped selection with a correction bias.
+
+Everything here is computed in fp32 and is replicated on every rank (the router is cheap and its
+decisions must agree bit for bit wherever a token is routed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeshard.moe.config import RouterConfig
+
+
+def route(logits_TE: torch.Tensor, cfg: RouterConfig, score_bias_E: torch.Tensor | None = None):
+    """Return (topk_ids_TK int64, topk_weights_TK fp32) for fp32 router logits.
+
+    With a score bias (DeepSeek-V3), the bias steers which experts (and groups) are chosen, while
+    the weights come from the unbiased scores.
+    """
+    T, E = logits_TE.shape
+    scores_TE = logits_TE.softmax(dim=-1) if cfg.scoring == "softmax" else logits_TE.sigmoid()
+    choice_TE = scores_TE if score_bias_E is None else scores_TE + score_bias_E
+    if cfg.n_group > 1:
+        choice_TGe = choice_TE.view(T, cfg.n_group, E // cfg.n_group)
+        # A group's merit: the sum of its best two choice scores (its best one if groups are singletons).
+        group_score_TG = choice_TGe.topk(min(2, E // cfg.n_group), dim=-1).values.sum(dim=-1)
+        best_groups_TG = group_score_TG.topk(cfg.topk_group, dim=-1).indices
+        group_mask_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter(1, best_groups_TG, True)
+        expert_mask_TE = group_mask_TG.repeat_interleave(E // cfg.n_group, dim=1)
+        choice_TE = choice_TE.masked_fill(~expert_mask_TE, float("-inf"))
+    topk_ids_TK = choice_TE.topk(cfg.top_k, dim=-1).indices
+    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    if cfg.renormalize:
+        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_ids_TK, topk_weights_TK * cfg.routed_scaling
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: RouterConfig, weight_ED: torch.Tensor, score_bias_E: torch.Tensor | None):
+        super().__init__()
+        self.cfg = cfg
+        self.weight_ED = nn.Parameter(weight_ED.float(), requires_grad=False)
+        self.score_bias_E = None if score_bias_E is None else nn.Parameter(score_bias_E.float(), requires_grad=False)
+
+    def forward(self, x_TD: torch.Tensor):
+        return route(x_TD.float() @ self.weight_ED.T, self.cfg, self.score_bias_E)

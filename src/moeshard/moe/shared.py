@@ -1,0 +1,56 @@
+"""Shared experts: a dense SwiGLU every token goes through, optionally gated (Qwen2-MoE).
+
+TENSOR_PARALLEL: weights sharded over TP along the intermediate dim; the output is a partial sum
+over TP, reduced (or not) by reduction point 2. Under SP the rank's slice is first gathered over TP,
+so the partial covers the TP group's rows and point 2 reduce-scatters it back to the slice.
+DATA_PARALLEL: weights replicated; each TP rank computes a contiguous slice of the tokens and the
+slices are all-gathered, so the output is complete (under SP the rank's slice already is one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeshard.moe.config import MoEConfig, SharedLayout
+from moeshard.moe.weights import MoEWeights, shard_down, shard_gate_up
+from moeshard.parallel import ops
+from moeshard.parallel.state import ParallelState
+
+
+def pad_rows(x_TD: torch.Tensor, rows: int) -> torch.Tensor:
+    return F.pad(x_TD, (0, 0, 0, rows - x_TD.shape[0]))
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, cfg: MoEConfig, weights: MoEWeights, parallel: ParallelState):
+        super().__init__()
+        self.layout = cfg.shared_layout
+        self.tp, self.tp_rank, self.sp = parallel.layout.tp, parallel.tp_rank, parallel.layout.sp
+        gate_up_FD, down_DI = weights.shared_gate_up_FD, weights.shared_down_DI
+        if self.layout is SharedLayout.TENSOR_PARALLEL:
+            gate_up_FD = shard_gate_up(gate_up_FD, self.tp_rank, self.tp)
+            down_DI = shard_down(down_DI, self.tp_rank, self.tp)
+        self.gate_up_FD = nn.Parameter(gate_up_FD.contiguous(), requires_grad=False)
+        self.down_DI = nn.Parameter(down_DI.contiguous(), requires_grad=False)
+        gate = weights.shared_gate_1D
+        self.gate_1D = None if gate is None else nn.Parameter(gate.clone(), requires_grad=False)
+
+    def mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
+        gate_TI, up_TI = (x_TD @ self.gate_up_FD.T).chunk(2, dim=-1)
+        y_TD = (F.silu(gate_TI) * up_TI) @ self.down_DI.T
+        if self.gate_1D is not None:
+            # A per-token scalar, so it may multiply a partial sum before the reduction.
+            y_TD = y_TD * torch.sigmoid(x_TD @ self.gate_1D.T)
+        return y_TD
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.layout is SharedLayout.TENSOR_PARALLEL:
+            return self.mlp(ops.tp_all_gather(x_TD) if self.sp and self.tp > 1 else x_TD)
+        if self.sp or self.tp == 1:
+            return self.mlp(x_TD)
+        T = x_TD.shape[0]
+        rows = (T + self.tp - 1) // self.tp
+        mine_RD = pad_rows(x_TD, rows * self.tp)[self.tp_rank * rows : (self.tp_rank + 1) * rows]
+        return ops.tp_all_gather(self.mlp(mine_RD))[:T]

@@ -1,0 +1,62 @@
+"""Full (unsharded) MoE weights, in Hugging Face's layout (`y = x @ W.T`), and their random init.
+
+The layer takes its rank's slices of these; the reference runs on them whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from moeshard.moe.config import MoEConfig
+
+
+@dataclass
+class MoEWeights:
+    router_ED: torch.Tensor
+    gate_up_EFD: torch.Tensor  # rows [0, I) gate, [I, 2I) up
+    down_EDI: torch.Tensor
+    score_bias_E: torch.Tensor | None = None
+    shared_gate_up_FD: torch.Tensor | None = None
+    shared_down_DI: torch.Tensor | None = None
+    shared_gate_1D: torch.Tensor | None = None
+
+    def to(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> "MoEWeights":
+        """A copy in `dtype` on `device`; router weights and the score bias stay fp32."""
+        keep_fp32 = {"router_ED", "score_bias_E"}
+
+        def convert(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
+
+        return MoEWeights(**{f.name: convert(f.name, getattr(self, f.name)) for f in fields(self)})
+
+    @classmethod
+    def random(cls, cfg: MoEConfig, seed: int = 0, spread: float = 1.0) -> "MoEWeights":
+        """Weights scaled so activations stay O(1) and routing is decisive (not near-uniform)."""
+        g = torch.Generator().manual_seed(seed)
+        D, E, I, S = cfg.hidden, cfg.num_experts, cfg.intermediate, cfg.shared_intermediate
+
+        def normal(*shape: int, fan_in: int, scale: float = 1.0) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) * (scale / fan_in**0.5)
+
+        return cls(
+            router_ED=normal(E, D, fan_in=D, scale=2.0 * spread),
+            gate_up_EFD=normal(E, 2 * I, D, fan_in=D),
+            down_EDI=normal(E, D, I, fan_in=I),
+            score_bias_E=torch.randn(E, generator=g) * 0.1 if cfg.router.score_bias else None,
+            shared_gate_up_FD=normal(2 * S, D, fan_in=D) if S else None,
+            shared_down_DI=normal(D, S, fan_in=S) if S else None,
+            shared_gate_1D=normal(1, D, fan_in=D) if S and cfg.shared_gate else None,
+        )
+
+
+def shard_gate_up(gate_up_FD: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    """This part's rows of the gate and of the up projection (dim -2), fused again: [..., F/parts, D]."""
+    gate, up = gate_up_FD.chunk(2, dim=-2)
+    return torch.cat([gate.chunk(parts, dim=-2)[part], up.chunk(parts, dim=-2)[part]], dim=-2)
+
+
+def shard_down(down_DI: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    """This part's columns of the down projection (dim -1): [..., D, I/parts]."""
+    return down_DI.chunk(parts, dim=-1)[part]
