@@ -16,8 +16,8 @@ def test_group_by_expert_puts_foreign_rows_last():
 def test_grouped_mm_equals_per_expert_loop(dtype, monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(20, 16, dtype=dtype)
-    w13 = torch.randn(3, 16, 32, dtype=dtype)
-    w2 = torch.randn(3, 16, 16, dtype=dtype)
+    w13 = torch.randn(3, 32, 16, dtype=dtype)  # [L, F, D]
+    w2 = torch.randn(3, 16, 16, dtype=dtype)  # [L, D, I]
     ends = torch.tensor([4, 4, 15], dtype=torch.int32)  # an empty expert, and 5 rows not computed
     fast = grouped_swiglu(x, w13, w2, ends)
     monkeypatch.setattr(experts, "_grouped_mm_fits", lambda *_: False)
@@ -25,8 +25,8 @@ def test_grouped_mm_equals_per_expert_loop(dtype, monkeypatch):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast, slow, rtol=tol, atol=tol)
     assert (slow[15:] == 0).all() and (fast[15:] == 0).all()
-    ref = torch.cat([x[:4] @ w13[0], x[4:15] @ w13[2]])
-    torch.testing.assert_close(grouped_linear(x, w13, ends)[:15].float(), ref.float(), rtol=tol, atol=tol * 10)
+    ref = torch.cat([x[:4] @ w13[0].T, x[4:15] @ w13[2].T])
+    torch.testing.assert_close(grouped_linear(x, w13.transpose(1, 2), ends)[:15].float(), ref.float(), rtol=tol, atol=tol * 10)
 
 
 def test_unaligned_shapes_fall_back_to_the_loop():

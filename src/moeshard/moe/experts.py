@@ -41,7 +41,7 @@ def grouped_linear(x_MD: torch.Tensor, w_LDN: torch.Tensor, group_ends_L: torch.
     """Rows of group l times `w_LDN[l]`; rows past the last group end are left undefined."""
     if _grouped_mm_fits(x_MD, w_LDN):
         return F.grouped_mm(x_MD, w_LDN, offs=group_ends_L)
-    out = x_MD.new_empty((x_MD.shape[0], w_LDN.shape[-1]))
+    out = x_MD.new_empty((x_MD.shape[0], w_LDN.shape[-1]))  # w_LDN may be a transposed view
     start = 0
     for l, end in enumerate(group_ends_L.tolist()):
         torch.matmul(x_MD[start:end], w_LDN[l], out=out[start:end])
@@ -50,25 +50,26 @@ def grouped_linear(x_MD: torch.Tensor, w_LDN: torch.Tensor, group_ends_L: torch.
 
 
 class GroupedExperts(nn.Module):
-    """SwiGLU experts: `down(silu(gate(x)) * up(x))`, weights stored for grouped GEMMs."""
+    """SwiGLU experts: `down(silu(gate(x)) * up(x))`."""
 
     def __init__(self, gate_up_LFD: torch.Tensor, down_LDI: torch.Tensor):
         super().__init__()
-        # [L, D, F] and [L, I, D]: contiguous in the layout grouped_mm reads.
-        self.w13_LDF = nn.Parameter(gate_up_LFD.transpose(1, 2).contiguous(), requires_grad=False)
-        self.w2_LID = nn.Parameter(down_LDI.transpose(1, 2).contiguous(), requires_grad=False)
+        # Kept in Hugging Face's [out, in] layout and read through transposed views: on CPUs without
+        # native bf16, a contiguous [in, out] operand takes a matmul path several times slower.
+        self.w13_LFD = nn.Parameter(gate_up_LFD.contiguous(), requires_grad=False)
+        self.w2_LDI = nn.Parameter(down_LDI.contiguous(), requires_grad=False)
 
     @property
     def num_local(self) -> int:
-        return self.w13_LDF.shape[0]
+        return self.w13_LFD.shape[0]
 
     def forward(self, x_MD: torch.Tensor, group_ends_L: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x_MD, self.w13_LDF, self.w2_LID, group_ends_L)
+        return grouped_swiglu(x_MD, self.w13_LFD, self.w2_LDI, group_ends_L)
 
 
-def grouped_swiglu(x_MD, w13_LDF, w2_LID, group_ends_L: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(x_MD, w13_LFD, w2_LDI, group_ends_L: torch.Tensor) -> torch.Tensor:
     """Rows sorted by local expert; rows past `group_ends_L[-1]` come back as zeros."""
-    gate_MI, up_MI = grouped_linear(x_MD, w13_LDF, group_ends_L).chunk(2, dim=-1)
-    y_MD = grouped_linear(F.silu(gate_MI) * up_MI, w2_LID, group_ends_L)
+    gate_MI, up_MI = grouped_linear(x_MD, w13_LFD.transpose(1, 2), group_ends_L).chunk(2, dim=-1)
+    y_MD = grouped_linear(F.silu(gate_MI) * up_MI, w2_LDI.transpose(1, 2), group_ends_L)
     valid_M1 = (torch.arange(x_MD.shape[0], device=x_MD.device) < group_ends_L[-1]).unsqueeze(1)
     return torch.where(valid_M1, y_MD, torch.zeros((), dtype=y_MD.dtype, device=y_MD.device))

@@ -21,13 +21,13 @@ def fused_mc2(
     x_RD: torch.Tensor,
     topk_ids_RK: torch.Tensor,
     topk_weights_RK: torch.Tensor,
-    w13_LDF: torch.Tensor,
-    w2_LID: torch.Tensor,
+    w13_LFD: torch.Tensor,
+    w2_LDI: torch.Tensor,
     owner_E: torch.Tensor,
     local_index_E: torch.Tensor,
 ) -> torch.Tensor:
     parallel = state.get_parallel_state()
-    group, W, L = parallel.ep_group, parallel.layout.ep_size, w13_LDF.shape[0]
+    group, W, L = parallel.ep_group, parallel.layout.ep_size, w13_LFD.shape[0]
     (R, D), K = x_RD.shape, topk_ids_RK.shape[1]
     slot_P, capacity = mc2_slots(topk_ids_RK, owner_E, W)
     row_bytes = D * x_RD.element_size()
@@ -41,13 +41,13 @@ def fused_mc2(
     recv_x_MD = recv[:, :row_bytes].contiguous().view(x_RD.dtype)
     labels_M = recv[:, row_bytes:].contiguous().view(torch.int32).flatten().long()
     order_M, group_ends_L = group_by_expert(labels_M, L)
-    y_MD = grouped_swiglu(recv_x_MD[order_M], w13_LDF, w2_LID, group_ends_L)
+    y_MD = grouped_swiglu(recv_x_MD[order_M], w13_LFD, w2_LDI, group_ends_L)
     y_back = state.all_to_all(unsort(y_MD, order_M), group)
     return sum_over_topk(y_back[slot_P], topk_weights_RK)
 
 
 @fused_mc2.register_fake
-def _(x_RD, topk_ids_RK, topk_weights_RK, w13_LDF, w2_LID, owner_E, local_index_E):
+def _(x_RD, topk_ids_RK, topk_weights_RK, w13_LFD, w2_LDI, owner_E, local_index_E):
     return x_RD.new_empty(x_RD.shape)
 
 
@@ -59,8 +59,8 @@ class FusedMC2Dispatcher(MC2Dispatcher):
             prepared.x_RD,
             prepared.topk_ids_RK,
             prepared.topk_weights_RK,
-            experts.w13_LDF,
-            experts.w2_LID,
+            experts.w13_LFD,
+            experts.w2_LDI,
             self.maps.owner_E,
             self.maps.local_index_E,
         )
