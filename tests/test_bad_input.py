@@ -78,3 +78,12 @@ def test_a_rank_dying_mid_collective_stops_every_rank():
     assert not pool.alive and not any(p.is_alive() for p in pool._procs)
     with pytest.raises(RuntimeError, match="stopped after an earlier failure"):
         pool.run(rank_cases.rank_of_process)
+
+
+def test_cli_refuses_an_impossible_world_size_in_one_line():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "moeshard", "verify", "layer", "--world-sizes", "3"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "moeshard: error: 8 experts cannot be split evenly over an EP group of 3 ranks."

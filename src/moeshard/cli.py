@@ -23,8 +23,11 @@ def verify_layer(args: argparse.Namespace) -> int:
     from moeshard.verify import layer as matrix
     from moeshard.verify import report
 
-    console = report.console()
-    total = sum(len(matrix.groups_for(w)) for w in args.world_sizes)
+    from moeshard.parallel.launch import is_reporting_rank
+
+    console = report.console(quiet=not is_reporting_rank())
+    world_sizes = matrix.world_sizes_to_run(args.world_sizes)
+    total = sum(len(matrix.groups_for(w)) for w in world_sizes)
     with Progress(
         TextColumn("[bold]verify layer[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
         TimeElapsedColumn(), console=console,
@@ -36,13 +39,13 @@ def verify_layer(args: argparse.Namespace) -> int:
                 progress.console.print(report.case_line(row))
             progress.update(task, advance=1, description=group.layout.label())
 
-        rows = matrix.run_matrix(args.world_sizes, seed=args.seed, on_group=on_group)
+        rows = matrix.run_matrix(world_sizes, seed=args.seed, on_group=on_group)
     console.print(report.summary_table(rows))
     failed = [r for r in rows if not r.passed]
     console.print(f"{len(rows) - len(failed)}/{len(rows)} cases passed.")
-    if args.json:
+    if args.json and is_reporting_rank():
         report.write_json(rows, args.json)
-    if args.markdown:
+    if args.markdown and is_reporting_rank():
         report.write_markdown(rows, args.markdown)
     return 1 if failed else 0
 

@@ -96,6 +96,8 @@ def _build(layout: Layout) -> ParallelState:
 
 def get_parallel_state() -> ParallelState:
     if _current is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError("no parallel layout is set on this rank; call set_layout(layout) on every rank first.")
         return set_layout(Layout())
     return _current
 

@@ -11,6 +11,7 @@ policy's MC2 capacity sits between them, so both MC2 and ALLTOALL are chosen.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -29,6 +30,7 @@ from moeshard.moe import (
     reference_moe,
 )
 from moeshard.parallel import Layout, RankError, open_ranks, set_layout
+from moeshard.parallel.launch import under_torchrun
 
 TOLERANCE = 1e-5  # max |error| / max |reference|, fp32
 SHARED_KINDS = ("none", "tp", "dp", "gated")
@@ -228,6 +230,16 @@ def failed_group(group: Group, message: str) -> list[CaseResult]:
         for compiled in (False, True)
         for m in group.methods()
     ]
+
+
+def world_sizes_to_run(requested: list[int]) -> list[int]:
+    """The requested world sizes (under torchrun: the one it started), refused unless the matrix's
+    experts split evenly over each."""
+    world_sizes = [int(os.environ["WORLD_SIZE"])] if under_torchrun() else requested
+    num_experts = Group(Layout(), "none", "none", ROUTERS[0]).config().num_experts
+    for world_size in world_sizes:
+        Layout(dp=world_size, ep=True).validate(num_experts=num_experts)
+    return world_sizes
 
 
 def run_matrix(world_sizes: list[int], seed: int = 0, on_group=None) -> list[CaseResult]:

@@ -56,5 +56,6 @@ def write_markdown(rows: list[CaseResult], path: str) -> None:
     Path(path).write_text(f"# moeshard verify layer\n\n{passed}/{len(rows)} cases passed.\n\n" + "\n".join(lines) + "\n")
 
 
-def console() -> Console:
-    return Console(highlight=False)
+def console(quiet: bool = False) -> Console:
+    """Under torchrun only rank 0 speaks."""
+    return Console(highlight=False, quiet=quiet)

@@ -28,7 +28,7 @@ def fused_mc2(
 ) -> torch.Tensor:
     parallel = state.get_parallel_state()
     group, W, L = parallel.ep_group, parallel.layout.ep_size, w13_LFD.shape[0]
-    (R, D), K = x_RD.shape, topk_ids_RK.shape[1]
+    D, K = x_RD.shape[1], topk_ids_RK.shape[1]
     slot_P, capacity = mc2_slots(topk_ids_RK, owner_E, W)
     row_bytes = D * x_RD.element_size()
     send = torch.empty((W * capacity, row_bytes + 4), dtype=torch.uint8, device=x_RD.device)
