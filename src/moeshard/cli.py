@@ -50,6 +50,44 @@ def verify_layer(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def verify_hf(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.table import Table
+
+    from moeshard.parallel import Layout
+    from moeshard.parallel.launch import is_reporting_rank
+    from moeshard.verify import hf, report
+
+    layout = Layout(tp=args.tp, dp=args.dp, ep=args.ep, sp=args.sp)
+    backend = args.compile_backend if args.compile else None
+    request = hf.Request(args.model, layout, args.moe_comm, backend, tuple(args.prompt_lengths), args.steps, args.seed)
+    console = report.console(quiet=not is_reporting_rank())
+    with console.status(f"verify hf: {layout.label()} method={args.moe_comm} {'compiled' if backend else 'eager'}"):
+        results = hf.verify_hf(request)
+    table = Table(title=f"{args.model} on {layout.label()}, method {args.moe_comm}, {'compiled (' + backend + ')' if backend else 'eager'}: vs. transformers (fp32)")
+    for column in ("step", "max |Δlogit|", "greedy tokens"):
+        table.add_column(column, justify="right")
+    for r in results:
+        tokens = "—" if r.step == args.steps else ("same" if r.tokens_match else "[bold red]differ[/]")
+        diff = f"{r.max_abs_diff:.2e}" if r.max_abs_diff <= hf.TOLERANCE else f"[bold red]{r.max_abs_diff:.2e}[/]"
+        table.add_row("prefill" if r.step == 0 else f"decode {r.step}", diff, tokens)
+    console.print(table)
+    ok = hf.passed(results)
+    console.print(("[green]PASS[/]" if ok else "[bold red]FAIL[/]") + f" (tolerance {hf.TOLERANCE:g}, greedy tokens identical)")
+    if args.json and is_reporting_rank():
+        with open(args.json, "w") as f:
+            json.dump(hf.to_json(request, results), f, indent=1)
+    return 0 if ok else 1
+
+
+def make_tiny(args: argparse.Namespace) -> int:
+    from moeshard.verify.tiny import make_tiny_checkpoint
+
+    print(make_tiny_checkpoint(args.variant, args.directory, args.seed))
+    return 0
+
+
 def bench_layer(args: argparse.Namespace) -> int:
     from moeshard.bench.layer import run_bench_layer
 
@@ -69,6 +107,29 @@ def build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--seed", type=int, default=0)
     layer.set_defaults(run=verify_layer)
 
+    vhf = verify_what.add_parser("hf", help="a Hugging Face checkpoint on a layout vs. transformers, step by step")
+    vhf.add_argument("--model", required=True, metavar="DIR", help="config.json + *.safetensors")
+    vhf.add_argument("--tp", type=int, default=1)
+    vhf.add_argument("--dp", type=int, default=1)
+    vhf.add_argument("--ep", action=argparse.BooleanOptionalAction, default=False, help="expert parallelism over all ranks")
+    vhf.add_argument("--sp", action="store_true", help="sequence parallelism (rows split over TP between blocks)")
+    vhf.add_argument("--moe-comm", default="auto", choices=("auto", "allgather", "alltoall", "mc2", "fused_mc2"))
+    vhf.add_argument("--compile", action="store_true", help="compile the model once (dynamic shapes, no guards)")
+    vhf.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager traces fastest)")
+    vhf.add_argument("--prompt-lengths", type=int_list, default=[7, 13, 3, 10])
+    vhf.add_argument("--steps", type=int, default=8, help="greedy decode steps after the prefill")
+    vhf.add_argument("--seed", type=int, default=0)
+    vhf.add_argument("--json", metavar="PATH")
+    vhf.set_defaults(run=verify_hf)
+
+    tiny = commands.add_parser("tiny", help="write a tiny random checkpoint of a supported architecture")
+    from moeshard.verify.tiny import VARIANTS
+
+    tiny.add_argument("variant", choices=list(VARIANTS))
+    tiny.add_argument("directory")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=make_tiny)
+
     bench = commands.add_parser("bench", help="benchmarks against a peer measured in the same run")
     bench_what = bench.add_subparsers(dest="what", required=True)
     blayer = bench_what.add_parser("layer", help="the MoE layer vs. transformers' MoE blocks and a dense GEMM")
@@ -84,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         return args.run(args)
-    except (ValueError, RuntimeError) as exc:  # bad input or a failed rank: one line, no traceback wall
+    except (ValueError, RuntimeError, OSError) as exc:  # bad input or a failed rank: one line, no traceback wall
         print(f"moeshard: error: {exc}", file=sys.stderr)
         return 2
 

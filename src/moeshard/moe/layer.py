@@ -24,7 +24,7 @@ from moeshard.moe.experts import GroupedExperts
 from moeshard.moe.reduce import Point, ReductionPlan, reduce_at
 from moeshard.moe.router import Router
 from moeshard.moe.shared import SharedExperts
-from moeshard.moe.weights import MoEWeights, shard_down, shard_gate_up
+from moeshard.moe.weights import MoEWeights, RankShard
 from moeshard.parallel.state import ParallelState, get_parallel_state
 
 # Custom ops find their layer by name (a string survives tracing; a module reference does not).
@@ -36,24 +36,14 @@ def get_layer(name: str) -> "MoELayer":
     return _LAYERS[name]
 
 
-def rank_experts(cfg: MoEConfig, weights: MoEWeights, parallel: ParallelState) -> GroupedExperts:
-    """EP on: this rank's contiguous block of whole experts. EP off: every expert's TP shard."""
-    layout = parallel.layout
-    if layout.ep:
-        L = cfg.num_experts // layout.ep_size
-        block = slice(parallel.ep_rank * L, (parallel.ep_rank + 1) * L)
-        return GroupedExperts(weights.gate_up_EFD[block], weights.down_EDI[block])
-    return GroupedExperts(
-        shard_gate_up(weights.gate_up_EFD, parallel.tp_rank, layout.tp),
-        shard_down(weights.down_EDI, parallel.tp_rank, layout.tp),
-    )
-
-
 class MoELayer(nn.Module):
     """One MoE layer on this rank, built from the full weights for the current parallel layout.
 
     Input and output: [T, D] — the DP group's rows (replicated over TP), or under SP this rank's
     slice. The output is complete (every partial sum reduced exactly once).
+
+    `weights` are the full weights, or with `sharded=True` already this rank's slices
+    (`MoEWeights.shard(RankShard.of(cfg, parallel))`, as a checkpoint loader reads them).
     """
 
     def __init__(
@@ -63,6 +53,7 @@ class MoELayer(nn.Module):
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         dtype: torch.dtype = torch.float32,
         name: str | None = None,
+        sharded: bool = False,
     ):
         super().__init__()
         self.cfg = cfg.validate()
@@ -76,9 +67,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"an MoE layer named {self.name!r} already exists; layer names must be unique.")
         _LAYERS[self.name] = self
         self.dtype = dtype
+        if not sharded:
+            weights = weights.shard(RankShard.of(cfg, parallel))
         weights = weights.to(dtype, parallel.device)
         self.router = Router(cfg.router, weights.router_ED, weights.score_bias_E)
-        self.experts = rank_experts(cfg, weights, parallel)
+        self.experts = GroupedExperts(weights.gate_up_EFD, weights.down_EDI)
         self.shared = SharedExperts(cfg, weights, parallel) if cfg.has_shared else None
         self.transform = transform
         self.plan = ReductionPlan.for_layer(cfg.shared_layout if cfg.has_shared else None, transform is not None, layout)

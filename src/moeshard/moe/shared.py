@@ -14,9 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard.moe.config import MoEConfig, SharedLayout
-from moeshard.moe.weights import MoEWeights, shard_down, shard_gate_up
+from moeshard.moe.weights import MoEWeights
 from moeshard.parallel import ops
 from moeshard.parallel.state import ParallelState
+
+
+def swiglu(x_TD: torch.Tensor, gate_up_FD: torch.Tensor, down_DI: torch.Tensor) -> torch.Tensor:
+    """`down(silu(gate(x)) * up(x))`, weights in [out, in] layout, gate rows before up rows."""
+    gate_TI, up_TI = F.linear(x_TD, gate_up_FD).chunk(2, dim=-1)
+    return F.linear(F.silu(gate_TI) * up_TI, down_DI)
 
 
 def pad_rows(x_TD: torch.Tensor, rows: int) -> torch.Tensor:
@@ -25,21 +31,18 @@ def pad_rows(x_TD: torch.Tensor, rows: int) -> torch.Tensor:
 
 class SharedExperts(nn.Module):
     def __init__(self, cfg: MoEConfig, weights: MoEWeights, parallel: ParallelState):
+        """`weights`: this rank's slices (MoEWeights.shard)."""
         super().__init__()
         self.layout = cfg.shared_layout
         self.tp, self.tp_rank, self.sp = parallel.layout.tp, parallel.tp_rank, parallel.layout.sp
         gate_up_FD, down_DI = weights.shared_gate_up_FD, weights.shared_down_DI
-        if self.layout is SharedLayout.TENSOR_PARALLEL:
-            gate_up_FD = shard_gate_up(gate_up_FD, self.tp_rank, self.tp)
-            down_DI = shard_down(down_DI, self.tp_rank, self.tp)
         self.gate_up_FD = nn.Parameter(gate_up_FD.contiguous(), requires_grad=False)
         self.down_DI = nn.Parameter(down_DI.contiguous(), requires_grad=False)
         gate = weights.shared_gate_1D
         self.gate_1D = None if gate is None else nn.Parameter(gate.clone(), requires_grad=False)
 
     def mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
-        gate_TI, up_TI = (x_TD @ self.gate_up_FD.T).chunk(2, dim=-1)
-        y_TD = (F.silu(gate_TI) * up_TI) @ self.down_DI.T
+        y_TD = swiglu(x_TD, self.gate_up_FD, self.down_DI)
         if self.gate_1D is not None:
             # A per-token scalar, so it may multiply a partial sum before the reduction.
             y_TD = y_TD * torch.sigmoid(x_TD @ self.gate_1D.T)

@@ -9,7 +9,34 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from moeshard.moe.config import MoEConfig
+from moeshard.moe.config import MoEConfig, SharedLayout
+from moeshard.parallel.state import ParallelState
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """Which part of an MoE layer's weights one rank holds.
+
+    EP on: a contiguous block of whole experts. EP off: every expert, its intermediate dim split in
+    `parts`. Shared experts in the TENSOR_PARALLEL layout are split over TP; otherwise whole.
+    """
+
+    experts: range
+    part: int
+    parts: int
+    shared_part: int
+    shared_parts: int
+
+    @classmethod
+    def of(cls, cfg: MoEConfig, parallel: ParallelState) -> "RankShard":
+        layout, t = parallel.layout, parallel.tp_rank
+        if layout.ep:
+            L = cfg.num_experts // layout.ep_size
+            experts, part, parts = range(parallel.ep_rank * L, (parallel.ep_rank + 1) * L), 0, 1
+        else:
+            experts, part, parts = range(cfg.num_experts), t, layout.tp
+        shared_tp = cfg.shared_layout is SharedLayout.TENSOR_PARALLEL
+        return cls(experts, part, parts, t if shared_tp else 0, layout.tp if shared_tp else 1)
 
 
 @dataclass
@@ -30,6 +57,20 @@ class MoEWeights:
             return None if t is None else t.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
 
         return MoEWeights(**{f.name: convert(f.name, getattr(self, f.name)) for f in fields(self)})
+
+    def shard(self, shard: RankShard) -> "MoEWeights":
+        """This rank's slices (see RankShard) of full weights."""
+        block = slice(shard.experts.start, shard.experts.stop)
+        shared = self.shared_gate_up_FD is not None
+        return MoEWeights(
+            router_ED=self.router_ED,
+            gate_up_EFD=shard_gate_up(self.gate_up_EFD[block], shard.part, shard.parts),
+            down_EDI=shard_down(self.down_EDI[block], shard.part, shard.parts),
+            score_bias_E=self.score_bias_E,
+            shared_gate_up_FD=shard_gate_up(self.shared_gate_up_FD, shard.shared_part, shard.shared_parts) if shared else None,
+            shared_down_DI=shard_down(self.shared_down_DI, shard.shared_part, shard.shared_parts) if shared else None,
+            shared_gate_1D=self.shared_gate_1D,
+        )
 
     @classmethod
     def random(cls, cfg: MoEConfig, seed: int = 0, spread: float = 1.0) -> "MoEWeights":

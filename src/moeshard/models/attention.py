@@ -1,0 +1,168 @@
+"""Tensor-parallel attention: grouped-query attention, and DeepSeek's multi-head latent attention.
+
+Heads are split over TP (q/k/v column-parallel by head, o row-parallel). With fewer KV heads than
+TP ranks, each KV head is replicated on TP / kv_heads ranks.
+
+MLA caches the compressed latent (one shared "head" of kv_lora_rank + rope dims), not per-head
+keys and values: the key projection is absorbed into the query, `q_nope · (W_UK c) = (q_nope W_UK) · c`,
+so attention runs over the latent as multi-query attention, and the value projection `W_UV` is
+applied to the attention output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeshard.models import kv_cache
+from moeshard.models.checkpoint import Checkpoint
+from moeshard.models.config import AttentionConfig, ModelConfig
+from moeshard.models.kv_cache import CacheSpec, KVCache
+from moeshard.models.layers import RMSNorm, Rotary, TPComm, block, frozen
+from moeshard.parallel.layout import LayoutError
+from moeshard.parallel.state import ParallelState
+
+
+def check_heads(att: AttentionConfig, tp: int) -> None:
+    if att.heads % tp:
+        raise LayoutError(f"TP={tp} does not divide the {att.heads} attention heads.")
+    if att.kv_heads % tp and tp % att.kv_heads:
+        raise LayoutError(f"TP={tp} and the {att.kv_heads} KV heads do not divide one another.")
+
+
+def kv_head_block(att: AttentionConfig, parallel: ParallelState) -> slice:
+    """This rank's KV heads: a block of them, or the one it shares with TP / kv_heads ranks."""
+    tp, t = parallel.layout.tp, parallel.tp_rank
+    if att.kv_heads >= tp:
+        return block(att.kv_heads, t, tp)
+    head = t * att.kv_heads // tp
+    return slice(head, head + 1)
+
+
+def heads_rows(heads: slice, dim: int) -> slice:
+    return slice(heads.start * dim, heads.stop * dim)
+
+
+class Linear(nn.Module):
+    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None):
+        super().__init__()
+        self.weight_OI, self.bias_O = frozen(weight_OI), frozen(bias_O)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_OI, self.bias_O)
+
+
+def read_linear(ckpt: Checkpoint, name: str, shape: tuple[int, int], rows=slice(None), cols=slice(None), bias=False) -> Linear:
+    """A linear layer's block of `name.weight` (and of `name.bias`, which follows the rows)."""
+    weight = ckpt.read(f"{name}.weight", shape, (rows, cols))
+    return Linear(weight, ckpt.read(f"{name}.bias", shape[:1], (rows,)) if bias else None)
+
+
+class AttentionBase(nn.Module, kv_cache.AttentionLayer):
+    """Registration with the attention op, the output projection and the TP reduction."""
+
+    def __init__(self, name: str, cfg: ModelConfig, window: int | None, parallel: ParallelState):
+        super().__init__()
+        att = cfg.attention
+        check_heads(att, parallel.layout.tp)
+        self.name, self.scale, self.window, self.cache = name, att.softmax_scale, window, None
+        self.heads = block(att.heads, parallel.tp_rank, parallel.layout.tp)
+        self.num_heads = self.heads.stop - self.heads.start
+        self.comm = TPComm(parallel)
+        kv_cache.register(name, self)
+
+    def read_o_proj(self, ckpt: Checkpoint, prefix: str, cfg: ModelConfig) -> None:
+        att = cfg.attention
+        self.o_proj = read_linear(
+            ckpt, f"{prefix}.o_proj", (cfg.hidden, att.heads * att.v_head_dim), cols=heads_rows(self.heads, att.v_head_dim)
+        )
+        # A row-parallel bias is added once, after the reduction.
+        self.o_bias_D = frozen(ckpt.read(f"{prefix}.o_proj.bias", (cfg.hidden,))) if att.o_bias else None
+
+    def project_out(self, o_THe: torch.Tensor) -> torch.Tensor:
+        out_TD = self.comm.reduce(self.o_proj(o_THe.flatten(1)))
+        return out_TD if self.o_bias_D is None else out_TD + self.o_bias_D
+
+    def set_cache(self, cache: KVCache | None) -> None:
+        self.cache = cache
+
+
+class Attention(AttentionBase):
+    """GQA with optional q/k/v bias and Qwen3's per-head QK RMSNorm."""
+
+    def __init__(self, ckpt: Checkpoint, prefix: str, name: str, cfg: ModelConfig, window, parallel: ParallelState):
+        super().__init__(name, cfg, window, parallel)
+        att, D = cfg.attention, cfg.hidden
+        Dh, bias = att.head_dim, att.qkv_bias
+        self.kv_heads = kv_head_block(att, parallel)
+        self.q_proj = read_linear(ckpt, f"{prefix}.q_proj", (att.heads * Dh, D), heads_rows(self.heads, Dh), bias=bias)
+        kv_rows = heads_rows(self.kv_heads, Dh)
+        self.k_proj = read_linear(ckpt, f"{prefix}.k_proj", (att.kv_heads * Dh, D), kv_rows, bias=bias)
+        self.v_proj = read_linear(ckpt, f"{prefix}.v_proj", (att.kv_heads * Dh, D), kv_rows, bias=bias)
+        self.read_o_proj(ckpt, prefix, cfg)
+        self.q_norm = self.k_norm = None
+        if att.qk_norm:
+            self.q_norm = RMSNorm(ckpt.read(f"{prefix}.q_norm.weight", (Dh,)), cfg.rms_eps)
+            self.k_norm = RMSNorm(ckpt.read(f"{prefix}.k_norm.weight", (Dh,)), cfg.rms_eps)
+        self.head_dim = Dh
+
+    def cache_spec(self) -> CacheSpec:
+        G = self.kv_heads.stop - self.kv_heads.start
+        return CacheSpec(G, self.head_dim, self.head_dim)
+
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        x_TD = self.comm.gather_rows(x_TD)
+        T = x_TD.shape[0]
+        q_THd = self.q_proj(x_TD).view(T, -1, self.head_dim)
+        k_TGd = self.k_proj(x_TD).view(T, -1, self.head_dim)
+        v_TGd = self.v_proj(x_TD).view(T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_THd, k_TGd = self.q_norm(q_THd), self.k_norm(k_TGd)
+        q_THd, k_TGd = rotary(q_THd, positions_T), rotary(k_TGd, positions_T)
+        o_THd = torch.ops.moeshard.paged_attention(q_THd, k_TGd, v_TGd, self.name)
+        return self.project_out(o_THd)
+
+
+class LatentAttention(AttentionBase):
+    """DeepSeek-V3's MLA, computed over the cached latent (see the module docstring)."""
+
+    def __init__(self, ckpt: Checkpoint, prefix: str, name: str, cfg: ModelConfig, window, parallel: ParallelState):
+        super().__init__(name, cfg, window, parallel)
+        att, D = cfg.attention, cfg.hidden
+        self.att = att
+        nope, rope, C, Dv = att.qk_nope_head_dim, att.qk_rope_head_dim, att.kv_lora_rank, att.v_head_dim
+        q_rows = heads_rows(self.heads, att.head_dim)
+        bias = att.qkv_bias
+        if att.q_lora_rank:
+            R = att.q_lora_rank
+            self.q_a_proj = read_linear(ckpt, f"{prefix}.q_a_proj", (R, D), bias=bias)
+            self.q_a_norm = RMSNorm(ckpt.read(f"{prefix}.q_a_layernorm.weight", (R,)), cfg.rms_eps)
+            self.q_b_proj = read_linear(ckpt, f"{prefix}.q_b_proj", (att.heads * att.head_dim, R), q_rows)
+        else:
+            self.q_proj = read_linear(ckpt, f"{prefix}.q_proj", (att.heads * att.head_dim, D), q_rows)
+        self.kv_a_proj = read_linear(ckpt, f"{prefix}.kv_a_proj_with_mqa", (C + rope, D), bias=bias)
+        self.kv_a_norm = RMSNorm(ckpt.read(f"{prefix}.kv_a_layernorm.weight", (C,)), cfg.rms_eps)
+        kv_b = ckpt.read(f"{prefix}.kv_b_proj.weight", (att.heads * (nope + Dv), C), (heads_rows(self.heads, nope + Dv),))
+        w_HcC = kv_b.view(self.num_heads, nope + Dv, C)
+        self.w_uk_HnC = frozen(w_HcC[:, :nope])
+        self.w_uv_HvC = frozen(w_HcC[:, nope:])
+        self.read_o_proj(ckpt, prefix, cfg)
+
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(1, self.att.kv_lora_rank + self.att.qk_rope_head_dim, self.att.kv_lora_rank)
+
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        att = self.att
+        x_TD = self.comm.gather_rows(x_TD)
+        T = x_TD.shape[0]
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_TD))) if att.q_lora_rank else self.q_proj(x_TD)
+        q_nope_THn, q_rope_THr = q.view(T, -1, att.head_dim).split([att.qk_nope_head_dim, att.qk_rope_head_dim], -1)
+        latent_TC, k_rope_Tr = self.kv_a_proj(x_TD).split([att.kv_lora_rank, att.qk_rope_head_dim], -1)
+        latent_T1C = self.kv_a_norm(latent_TC).unsqueeze(1)
+        k_rope_T1r = rotary(k_rope_Tr.unsqueeze(1), positions_T)
+        q_latent_THC = torch.einsum("thn,hnc->thc", q_nope_THn, self.w_uk_HnC)
+        q_THk = torch.cat([q_latent_THC, rotary(q_rope_THr, positions_T)], dim=-1)
+        k_T1k = torch.cat([latent_T1C, k_rope_T1r], dim=-1)
+        o_latent_THC = torch.ops.moeshard.paged_attention(q_THk, k_T1k, latent_T1C, self.name)
+        return self.project_out(torch.einsum("thc,hvc->thv", o_latent_THC, self.w_uv_HvC))

@@ -1,0 +1,101 @@
+"""Read a Hugging Face checkpoint directory: config.json and one or many *.safetensors files.
+
+Each rank reads only the blocks it holds (`safe_open(...).get_slice(name)[index]`). Every read is
+checked against the full shape the config implies, and the reader remembers what was read, so that
+`finish` can refuse a checkpoint holding tensors no rank used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+
+# Tensors real checkpoints carry that inference does not use.
+IGNORED = (
+    re.compile(r".*rotary_emb\.inv_freq$"),
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; one sentence naming the tensor or file."""
+
+
+def read_config(directory: str | Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"model directory {directory} does not exist.")
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json; point --model at a Hugging Face model directory.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}).") from None
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({directory / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} lists {missing[0]}, which is not in {directory}.")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} has no *.safetensors files.")
+    return files
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory, by name (headers only until a tensor is read)."""
+
+    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.directory = Path(directory)
+        self.dtype, self.device = dtype, device
+        self.handles: dict[str, object] = {}
+        for path in safetensors_files(self.directory):
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{path.name} is not a readable safetensors file (truncated?): {exc}.") from None
+            for name in handle.keys():
+                self.handles[name] = handle
+        self.read_names: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.handles
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[name].get_slice(name).get_shape())
+
+    def read(self, name: str, shape: tuple[int, ...], index: tuple = (), dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The block `index` of tensor `name`, whose full shape must be `shape`, in `dtype`."""
+        if name not in self.handles:
+            raise CheckpointError(f"checkpoint {self.directory.name} has no tensor {name!r}.")
+        actual = self.shape(name)
+        if actual != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {list(actual)}, but the config implies {list(shape)}.")
+        self.read_names.add(name)
+        block = self.handles[name].get_slice(name)[index] if index else self.handles[name].get_tensor(name)
+        return block.to(device=self.device, dtype=dtype or self.dtype)
+
+    def finish(self, unused_ok: Callable[[str], bool] = lambda name: False) -> None:
+        """Refuse tensors that no rank read, unless `unused_ok` (every rank exchanges what it read)."""
+        read = set(self.read_names)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list[set[str]] = [set() for _ in range(dist.get_world_size())]
+            dist.all_gather_object(everyone, read)
+            read = set().union(*everyone)
+        extra = sorted(
+            n for n in self.handles if n not in read and not unused_ok(n) and not any(p.fullmatch(n) for p in IGNORED)
+        )
+        if extra:
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise CheckpointError(f"checkpoint {self.directory.name} has tensor {extra[0]!r}{more}, which the config does not use.")

@@ -1,0 +1,166 @@
+"""The dense building blocks: RMSNorm, rotary embeddings, TP linears, vocab-parallel embedding and
+LM head, the dense SwiGLU MLP. Each is built from its rank's blocks of checkpoint tensors.
+
+TP conventions (Megatron's): a column-parallel linear holds a block of output rows and needs no
+communication; a row-parallel one holds a block of input columns and its output is a partial sum
+over TP, reduced by `tp_reduce`. Under SP the rows between blocks are this rank's slice of the TP
+group's rows: `tp_gather_rows` before a column-parallel block, a reduce-scatter after it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeshard.models.checkpoint import Checkpoint
+from moeshard.models.config import RopeConfig
+from moeshard.moe.shared import swiglu
+from moeshard.parallel import ops
+from moeshard.parallel.state import ParallelState
+
+
+def block(n: int, part: int, parts: int) -> slice:
+    """Part `part` of `parts` equal blocks of range(n)."""
+    size = n // parts
+    return slice(part * size, (part + 1) * size)
+
+
+def frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.contiguous(), requires_grad=False)
+
+
+class TPComm:
+    """The TP collectives a dense block needs, fixed when the model is built (static)."""
+
+    def __init__(self, parallel: ParallelState):
+        self.tp, self.sp = parallel.layout.tp, parallel.layout.sp
+
+    def reduce(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Complete a partial sum over TP: all-reduce, or under SP reduce-scatter to this rank's rows."""
+        if self.tp == 1:
+            return x_TD
+        return ops.tp_reduce_scatter(x_TD) if self.sp else ops.tp_all_reduce(x_TD)
+
+    def gather_rows(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Under SP, this rank's rows → the TP group's rows; otherwise nothing to do."""
+        return ops.tp_all_gather(x_TD) if self.sp and self.tp > 1 else x_TD
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight_D: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight_D, self.eps = frozen(weight_D), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight_D * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [Dr/2] and the cos/sin scale, as transformers computes them."""
+    dim = rope.dim
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    if rope.kind == "default":
+        return 1.0 / pos_freqs, 1.0
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+        else:
+            attention_factor = mscale(rope.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position, built once: derived tensors, not weights."""
+
+    def __init__(self, rope: RopeConfig, max_positions: int, device: torch.device):
+        super().__init__()
+        self.interleaved = rope.interleaved
+        inv_freq, scale = rope_inv_freq(rope)
+        freqs_PR = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb_PR = torch.cat([freqs_PR, freqs_PR], dim=-1)
+        self.register_buffer("cos_PR", (emb_PR.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin_PR", (emb_PR.sin() * scale).to(device), persistent=False)
+
+    def forward(self, x_THR: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        cos = self.cos_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
+        sin = self.sin_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
+        if self.interleaved:  # pairs (x0, x1), (x2, x3), …; the output lists evens, then odds
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half], sin[..., :half]
+            x1, x2 = x_THR[..., 0::2], x_THR[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2 = x_THR.chunk(2, dim=-1)
+        return x_THR * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the (padded) vocabulary split over TP; the LM head is one too (`logits`), or shares
+    the embedding's when tied.
+
+    Chosen over a replicated table: at real sizes (152k × 4096 in bf16, 1.2 GB per copy, twice when
+    untied) the table is among the largest tensors a TP rank would otherwise hold whole.
+    """
+
+    def __init__(self, ckpt: Checkpoint, name: str, vocab: int, hidden: int, parallel: ParallelState):
+        super().__init__()
+        tp, t = parallel.layout.tp, parallel.tp_rank
+        self.vocab, self.rows = vocab, -(-vocab // tp)
+        self.start = t * self.rows
+        real = max(0, min(self.rows, vocab - self.start))
+        weight_VD = ckpt.read(name, (vocab, hidden), (slice(self.start, self.start + real),))
+        self.weight_VD = frozen(F.pad(weight_VD, (0, 0, 0, self.rows - real)))
+        self.comm = TPComm(parallel)
+
+    def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
+        if self.comm.tp == 1:
+            return F.embedding(ids_T, self.weight_VD)
+        local_T = ids_T - self.start
+        mine_T = (local_T >= 0) & (local_T < self.rows)
+        x_TD = F.embedding(local_T.clamp(0, self.rows - 1), self.weight_VD) * mine_T.unsqueeze(-1)
+        return self.comm.reduce(x_TD)
+
+    def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """[N, D] (every row, not an SP slice) → [N, vocab]: each rank's block of columns, gathered."""
+        logits_NV = F.linear(x_ND, self.weight_VD)
+        if self.comm.tp > 1:
+            logits_NV = ops.tp_all_gather(logits_NV.T.contiguous()).T
+        return logits_NV[:, : self.vocab]
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU with gate/up column-parallel and down row-parallel over TP."""
+
+    def __init__(self, ckpt: Checkpoint, prefix: str, hidden: int, intermediate: int, parallel: ParallelState):
+        super().__init__()
+        tp, t = parallel.layout.tp, parallel.tp_rank
+        rows = block(intermediate, t, tp)
+        gate = ckpt.read(f"{prefix}.gate_proj.weight", (intermediate, hidden), (rows,))
+        up = ckpt.read(f"{prefix}.up_proj.weight", (intermediate, hidden), (rows,))
+        self.gate_up_FD = frozen(torch.cat([gate, up]))
+        self.down_DI = frozen(ckpt.read(f"{prefix}.down_proj.weight", (hidden, intermediate), (slice(None), rows)))
+        self.comm = TPComm(parallel)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.comm.reduce(swiglu(self.comm.gather_rows(x_TD), self.gate_up_FD, self.down_DI))

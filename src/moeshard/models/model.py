@@ -1,0 +1,161 @@
+"""A decoder-only MoE model on this rank, built from its blocks of a Hugging Face checkpoint.
+
+    ids → embed → [ x += attn(norm(x)); x += mlp_or_moe(norm(x)) ] × layers → norm → (logits)
+
+The forward takes a flat batch (tokens of several sequences, one position each) and returns the
+final hidden rows; `logits` projects the rows that need them. Between blocks the rows are the DP
+group's (replicated over TP), or under SP this rank's equal slice of them, so the caller pads the
+batch to a multiple of TP. The step's attention metadata and MoE context are set by the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moeshard.models.archs import Architecture, parse_config
+from moeshard.models.attention import Attention, LatentAttention, check_heads
+from moeshard.models.checkpoint import Checkpoint, read_config
+from moeshard.models.config import LayerConfig, ModelConfig
+from moeshard.models.kv_cache import CacheSpec, KVCache
+from moeshard.models.layers import DenseMLP, RMSNorm, Rotary, TPComm, VocabParallelEmbedding, block
+from moeshard.moe.config import MoEConfig
+from moeshard.moe.layer import MoELayer
+from moeshard.moe.weights import MoEWeights, RankShard
+from moeshard.parallel.layout import Layout, LayoutError
+from moeshard.parallel.state import ParallelState, get_parallel_state
+
+_instances = itertools.count()
+
+
+def check_layout(cfg: ModelConfig, layout: Layout) -> None:
+    """Refuse, with one sentence, a layout this model cannot be split over."""
+    check_heads(cfg.attention, layout.tp)
+    for i, layer in enumerate(cfg.layers):
+        if layer.moe is None:
+            if layer.dense_intermediate % layout.tp:
+                raise LayoutError(f"TP={layout.tp} does not divide layer {i}'s MLP intermediate size {layer.dense_intermediate}.")
+        else:
+            m = layer.moe
+            layout.validate(num_experts=m.num_experts, intermediate=m.intermediate, shared_intermediate=m.shared_intermediate)
+
+
+def read_moe_weights(ckpt: Checkpoint, arch: Architecture, prefix: str, cfg: MoEConfig, shard: RankShard) -> MoEWeights:
+    """This rank's slices of one MoE layer, from per-expert tensors or stacked 3-D ones."""
+    names = arch.names
+    moe = f"{prefix}.{names.moe_block}"
+    D, E, I, S = cfg.hidden, cfg.num_experts, cfg.intermediate, cfg.shared_intermediate
+    rows = block(I, shard.part, shard.parts)
+    experts = slice(shard.experts.start, shard.experts.stop)
+    stacked = next((p for p in (moe, f"{prefix}.mlp") if f"{p}.experts.gate_up_proj" in ckpt), None)
+    if stacked is not None:
+        gate_up = f"{stacked}.experts.gate_up_proj"
+        gate = ckpt.read(gate_up, (E, 2 * I, D), (experts, rows))
+        up = ckpt.read(gate_up, (E, 2 * I, D), (experts, slice(I + rows.start, I + rows.stop)))
+        gate_up_EFD = torch.cat([gate, up], dim=1)
+        down_EDI = ckpt.read(f"{stacked}.experts.down_proj", (E, D, I), (experts, slice(None), rows))
+    else:
+        g, u, d = names.expert_proj
+        gate_up_EFD = torch.stack([
+            torch.cat([ckpt.read(f"{moe}.experts.{e}.{g}.weight", (I, D), (rows,)),
+                       ckpt.read(f"{moe}.experts.{e}.{u}.weight", (I, D), (rows,))])
+            for e in shard.experts
+        ])
+        down_EDI = torch.stack([ckpt.read(f"{moe}.experts.{e}.{d}.weight", (D, I), (slice(None), rows)) for e in shard.experts])
+    shared = {}
+    if S:
+        srows = block(S, shard.shared_part, shard.shared_parts)
+        sp = f"{moe}.{names.shared_block}"
+        shared = dict(
+            shared_gate_up_FD=torch.cat([ckpt.read(f"{sp}.gate_proj.weight", (S, D), (srows,)),
+                                         ckpt.read(f"{sp}.up_proj.weight", (S, D), (srows,))]),
+            shared_down_DI=ckpt.read(f"{sp}.down_proj.weight", (D, S), (slice(None), srows)),
+            shared_gate_1D=ckpt.read(f"{moe}.{names.shared_gate}.weight", (1, D)) if cfg.shared_gate else None,
+        )
+    return MoEWeights(
+        router_ED=ckpt.read(f"{moe}.gate.weight", (E, D), dtype=torch.float32),
+        gate_up_EFD=gate_up_EFD,
+        down_EDI=down_EDI,
+        score_bias_E=ckpt.read(f"{moe}.gate.e_score_correction_bias", (E,), dtype=torch.float32) if cfg.router.score_bias else None,
+        **shared,
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, ckpt: Checkpoint, arch: Architecture, cfg: ModelConfig, i: int, name: str, parallel: ParallelState, dtype):
+        super().__init__()
+        layer: LayerConfig = cfg.layers[i]
+        prefix = f"model.layers.{i}"
+        self.input_norm = RMSNorm(ckpt.read(f"{prefix}.input_layernorm.weight", (cfg.hidden,)), cfg.rms_eps)
+        self.post_attention_norm = RMSNorm(ckpt.read(f"{prefix}.post_attention_layernorm.weight", (cfg.hidden,)), cfg.rms_eps)
+        attention = LatentAttention if cfg.attention.is_mla else Attention
+        self.attn = attention(ckpt, f"{prefix}.self_attn", f"{name}.attn", cfg, layer.sliding_window, parallel)
+        if layer.moe is None:
+            self.mlp = DenseMLP(ckpt, f"{prefix}.mlp", cfg.hidden, layer.dense_intermediate, parallel)
+        else:
+            weights = read_moe_weights(ckpt, arch, prefix, layer.moe, RankShard.of(layer.moe, parallel))
+            self.mlp = MoELayer(layer.moe, weights, dtype=dtype, name=f"{name}.moe", sharded=True)
+
+    def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        h_TD = x_TD + self.attn(self.input_norm(x_TD), positions_T, rotary)
+        return h_TD + self.mlp(self.post_attention_norm(h_TD))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, ckpt: Checkpoint, arch: Architecture, cfg: ModelConfig, parallel: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        check_layout(cfg, parallel.layout)
+        self.cfg, self.parallel, self.dtype = cfg, parallel, dtype
+        name = f"model{next(_instances)}"
+        self.embed = VocabParallelEmbedding(ckpt, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel)
+        self.rotary = Rotary(cfg.rope, cfg.max_positions, parallel.device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(ckpt, arch, cfg, i, f"{name}.{i}", parallel, dtype) for i in range(len(cfg.layers))
+        )
+        self.norm = RMSNorm(ckpt.read("model.norm.weight", (cfg.hidden,)), cfg.rms_eps)
+        self.lm_head = self.embed if cfg.tie_embeddings else VocabParallelEmbedding(ckpt, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
+        self.comm = TPComm(parallel)
+
+    def forward(self, ids_T: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """[T] token ids and positions (T a multiple of TP under SP) → final hidden rows [T, D]."""
+        x_TD = self.embed(ids_T)
+        for layer in self.layers:
+            x_TD = layer(x_TD, positions_T, self.rotary)
+        return self.comm.gather_rows(self.norm(x_TD))
+
+    def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden_ND).float()
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return [layer.attn.cache_spec() for layer in self.layers]
+
+    def set_kv_caches(self, caches: list[KVCache] | None) -> None:
+        for i, layer in enumerate(self.layers):
+            layer.attn.set_cache(None if caches is None else caches[i])
+
+
+def load_config(directory: str | Path) -> tuple[ModelConfig, Architecture]:
+    return parse_config(read_config(directory))
+
+
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """This rank's part of the model in `directory`, for the current layout (every rank calls this)."""
+    cfg, arch = load_config(directory)
+    parallel = get_parallel_state()
+    ckpt = Checkpoint(directory, dtype, parallel.device)
+    model = CausalLM(ckpt, arch, cfg, parallel, dtype)
+    ckpt.finish(unused_ok=lambda name: unused_by_design(name, cfg))
+    return model.eval()
+
+
+def unused_by_design(name: str, cfg: ModelConfig) -> bool:
+    """A tied model's copy of the LM head; DeepSeek-V3's multi-token-prediction layers, which
+    checkpoints append after the last decoder layer."""
+    if cfg.tie_embeddings and name == "lm_head.weight":
+        return True
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return layer is not None and int(layer[1]) >= len(cfg.layers)
