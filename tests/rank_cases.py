@@ -5,7 +5,16 @@ import time
 
 import torch
 
-from moeshard.moe import CommMethod, MoEConfig, MoELayer, MoEWeights, RouterConfig, SelectionPolicy, moe_forward_context, reference_moe
+from moeshard.moe import (
+    CommMethod,
+    MoEConfig,
+    MoELayer,
+    MoEWeights,
+    RouterConfig,
+    SelectionPolicy,
+    moe_forward_context,
+    reference_moe,
+)
 from moeshard.parallel import Layout, set_layout
 from moeshard.verify.layer import sp_slice
 

@@ -1,12 +1,12 @@
 import time
 
 import pytest
+import rank_cases
 import torch
 
 from moeshard.moe import CommMethod, MoEConfig, MoELayer, MoEWeights, SelectionPolicy, moe_forward_context
 from moeshard.moe.context import select_method
 from moeshard.parallel import Layout, RankError, RankPool, set_layout
-import rank_cases
 
 
 @pytest.fixture

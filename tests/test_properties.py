@@ -2,10 +2,10 @@
 routings that send every token to one expert or to one rank, on 2- and 4-rank layouts."""
 
 import pytest
+import rank_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import rank_cases
 from moeshard.parallel import Layout
 from moeshard.verify.layer import TOLERANCE
 

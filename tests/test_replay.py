@@ -8,7 +8,7 @@ trace and run methods disagree on "already reduced" — the same test sees the f
 import pytest
 
 from moeshard.parallel import Layout
-from moeshard.verify.layer import TOLERANCE, Group, case_error, build
+from moeshard.verify.layer import TOLERANCE, Group, build, case_error
 from moeshard.verify.naive import NaiveMoELayer
 from moeshard.verify.replay import merge_pairs, run_replay
 

@@ -20,10 +20,9 @@ def int_list(text: str) -> list[int]:
 def verify_layer(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from moeshard.parallel.launch import is_reporting_rank
     from moeshard.verify import layer as matrix
     from moeshard.verify import report
-
-    from moeshard.parallel.launch import is_reporting_rank
 
     console = report.console(quiet=not is_reporting_rank())
     world_sizes = matrix.world_sizes_to_run(args.world_sizes)
@@ -94,6 +93,12 @@ def bench_layer(args: argparse.Namespace) -> int:
     return run_bench_layer(args)
 
 
+def bench_lm_head(args: argparse.Namespace) -> int:
+    from moeshard.bench.lm_head import run_bench_lm_head
+
+    return run_bench_lm_head(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeshard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     blayer.add_argument("--repeats", type=int, default=5)
     blayer.add_argument("--json", metavar="PATH")
     blayer.set_defaults(run=bench_layer)
+    blm = bench_what.add_parser("lm-head", help="vocab-parallel vs. replicated LM head on 2 TP ranks")
+    blm.add_argument("--vocab", type=int, default=151936)
+    blm.add_argument("--hidden", type=int, default=2048)
+    blm.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    blm.add_argument("--repeats", type=int, default=5)
+    blm.set_defaults(run=bench_lm_head)
     return parser
 
 

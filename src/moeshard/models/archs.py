@@ -5,6 +5,7 @@ Everything architecture-specific lives here; the model code (moeshard.models.mod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,7 +114,7 @@ def qwen_layers(hf: dict, shared: bool) -> list[LayerConfig]:
         intermediate=need(hf, "moe_intermediate_size"),
         router=RouterConfig(top_k=need(hf, "num_experts_per_tok"), renormalize=bool(hf.get("norm_topk_prob", False))),
         shared_intermediate=hf.get("shared_expert_intermediate_size", 0) if shared else 0,
-        shared_gate=shared,
+        shared_gate=shared and hf.get("shared_expert_intermediate_size", 0) > 0,
     )
     dense_only = set(hf.get("mlp_only_layers") or [])
     step = hf.get("decoder_sparse_step", 1) or 1
@@ -136,7 +137,7 @@ def parse_qwen2_moe(hf: dict) -> ModelConfig:
 
 def parse_qwen3_moe(hf: dict) -> ModelConfig:
     attention = gqa_attention(hf, qkv_bias=bool(hf.get("attention_bias", False)), qk_norm=True)
-    attention = AttentionConfig(**{**attention.__dict__, "o_bias": attention.qkv_bias})
+    attention = dataclasses.replace(attention, o_bias=attention.qkv_bias)
     return common(hf, attention, rope_config(hf, attention.head_dim), qwen_layers(hf, shared=False))
 
 
@@ -199,7 +200,11 @@ def parse_deepseek_v3(hf: dict) -> ModelConfig:
 ARCHITECTURES = {
     arch.name: arch
     for arch in (
-        Architecture("Qwen2MoeForCausalLM", parse_qwen2_moe, CheckpointNames(shared_block="shared_expert", shared_gate="shared_expert_gate")),
+        Architecture(
+            "Qwen2MoeForCausalLM",
+            parse_qwen2_moe,
+            CheckpointNames(shared_block="shared_expert", shared_gate="shared_expert_gate"),
+        ),
         Architecture("Qwen3MoeForCausalLM", parse_qwen3_moe, CheckpointNames()),
         Architecture("MixtralForCausalLM", parse_mixtral, CheckpointNames("block_sparse_moe", ("w1", "w3", "w2"))),
         Architecture("DeepseekV3ForCausalLM", parse_deepseek_v3, CheckpointNames(shared_block="shared_experts")),
@@ -213,11 +218,16 @@ def architecture_of(hf: dict) -> Architecture:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
     known = ", ".join(ARCHITECTURES)
-    raise ModelConfigError(f"architecture {names[0] if names else hf.get('model_type', '?')!r} is not supported; moeshard runs {known}.")
+    raise ModelConfigError(
+        f"architecture {names[0] if names else hf.get('model_type', '?')!r} is not supported; moeshard runs {known}."
+    )
 
 
 def parse_config(hf: dict) -> tuple[ModelConfig, Architecture]:
     arch = architecture_of(hf)
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise ModelConfigError(f"quantized checkpoints ({method}) are not supported; use a bf16/fp16/fp32 checkpoint.")
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; moeshard's MLPs are SwiGLU (silu).")
     cfg = arch.parse(hf)

@@ -53,7 +53,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight_OI, self.bias_O)
 
 
-def read_linear(ckpt: Checkpoint, name: str, shape: tuple[int, int], rows=slice(None), cols=slice(None), bias=False) -> Linear:
+def read_linear(
+    ckpt: Checkpoint, name: str, shape: tuple[int, int], rows=slice(None), cols=slice(None), bias=False
+) -> Linear:
     """A linear layer's block of `name.weight` (and of `name.bias`, which follows the rows)."""
     weight = ckpt.read(f"{name}.weight", shape, (rows, cols))
     return Linear(weight, ckpt.read(f"{name}.bias", shape[:1], (rows,)) if bias else None)
@@ -75,7 +77,10 @@ class AttentionBase(nn.Module, kv_cache.AttentionLayer):
     def read_o_proj(self, ckpt: Checkpoint, prefix: str, cfg: ModelConfig) -> None:
         att = cfg.attention
         self.o_proj = read_linear(
-            ckpt, f"{prefix}.o_proj", (cfg.hidden, att.heads * att.v_head_dim), cols=heads_rows(self.heads, att.v_head_dim)
+            ckpt,
+            f"{prefix}.o_proj",
+            (cfg.hidden, att.heads * att.v_head_dim),
+            cols=heads_rows(self.heads, att.v_head_dim),
         )
         # A row-parallel bias is added once, after the reduction.
         self.o_bias_D = frozen(ckpt.read(f"{prefix}.o_proj.bias", (cfg.hidden,))) if att.o_bias else None
@@ -143,7 +148,9 @@ class LatentAttention(AttentionBase):
             self.q_proj = read_linear(ckpt, f"{prefix}.q_proj", (att.heads * att.head_dim, D), q_rows)
         self.kv_a_proj = read_linear(ckpt, f"{prefix}.kv_a_proj_with_mqa", (C + rope, D), bias=bias)
         self.kv_a_norm = RMSNorm(ckpt.read(f"{prefix}.kv_a_layernorm.weight", (C,)), cfg.rms_eps)
-        kv_b = ckpt.read(f"{prefix}.kv_b_proj.weight", (att.heads * (nope + Dv), C), (heads_rows(self.heads, nope + Dv),))
+        kv_b = ckpt.read(
+            f"{prefix}.kv_b_proj.weight", (att.heads * (nope + Dv), C), (heads_rows(self.heads, nope + Dv),)
+        )
         w_HcC = kv_b.view(self.num_heads, nope + Dv, C)
         self.w_uk_HnC = frozen(w_HcC[:, :nope])
         self.w_uv_HvC = frozen(w_HcC[:, nope:])

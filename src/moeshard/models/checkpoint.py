@@ -17,9 +17,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 # Tensors real checkpoints carry that inference does not use.
-IGNORED = (
-    re.compile(r".*rotary_emb\.inv_freq$"),
-)
+IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
 
 class CheckpointError(ValueError):
@@ -75,7 +73,9 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[name].get_slice(name).get_shape())
 
-    def read(self, name: str, shape: tuple[int, ...], index: tuple = (), dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, shape: tuple[int, ...], index: tuple = (), dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The block `index` of tensor `name`, whose full shape must be `shape`, in `dtype`."""
         if name not in self.handles:
             raise CheckpointError(f"checkpoint {self.directory.name} has no tensor {name!r}.")
@@ -86,16 +86,25 @@ class Checkpoint:
         block = self.handles[name].get_slice(name)[index] if index else self.handles[name].get_tensor(name)
         return block.to(device=self.device, dtype=dtype or self.dtype)
 
-    def finish(self, unused_ok: Callable[[str], bool] = lambda name: False) -> None:
-        """Refuse tensors that no rank read, unless `unused_ok` (every rank exchanges what it read)."""
-        read = set(self.read_names)
+    def finish(self, unused_ok: Callable[[str], bool] = lambda name: False, error: str | None = None) -> None:
+        """Refuse tensors that no rank read, unless `unused_ok`; raise any rank's `error`.
+
+        Every rank calls this (it exchanges what each read), also a rank whose loading failed, so
+        that all ranks raise the same error instead of the others waiting on the failed one.
+        """
+        reports = [(set(self.read_names), error)]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone: list[set[str]] = [set() for _ in range(dist.get_world_size())]
-            dist.all_gather_object(everyone, read)
-            read = set().union(*everyone)
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, (self.read_names, error))
+        errors = [e for _, e in reports if e is not None]
+        if errors:
+            raise CheckpointError(errors[0])
+        read = set().union(*(names for names, _ in reports))
         extra = sorted(
             n for n in self.handles if n not in read and not unused_ok(n) and not any(p.fullmatch(n) for p in IGNORED)
         )
         if extra:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-            raise CheckpointError(f"checkpoint {self.directory.name} has tensor {extra[0]!r}{more}, which the config does not use.")
+            raise CheckpointError(
+                f"checkpoint {self.directory.name} has tensor {extra[0]!r}{more}, which the config does not use."
+            )

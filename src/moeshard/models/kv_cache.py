@@ -75,8 +75,12 @@ class AttentionMetadata:
         slots += [-1] * (padded_rows - len(slots))
         width = max((len(t) for t in block_tables), default=0)
         tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
-        return cls(tuple(starts), tuple(seq_lens), torch.tensor(slots, dtype=torch.int64, device=device),
-                   tables.reshape(len(block_tables), width).to(device))
+        return cls(
+            tuple(starts),
+            tuple(seq_lens),
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            tables.reshape(len(block_tables), width).to(device),
+        )
 
 
 _current: AttentionMetadata | None = None
@@ -149,7 +153,12 @@ def paged_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGe: torch.Tenso
         positions = torch.arange(length, device=q_THd.device)
         context = meta.block_tables[i, positions // bs] * bs + positions % bs
         out_THe[start:end] = attend(
-            q_THd[start:end], cache.k_SGd[context], cache.v_SGe[context], length - (end - start), layer.scale, layer.window
+            q_THd[start:end],
+            cache.k_SGd[context],
+            cache.v_SGe[context],
+            length - (end - start),
+            layer.scale,
+            layer.window,
         )
     return out_THe
 

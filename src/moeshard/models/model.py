@@ -19,7 +19,7 @@ from torch import nn
 
 from moeshard.models.archs import Architecture, parse_config
 from moeshard.models.attention import Attention, LatentAttention, check_heads
-from moeshard.models.checkpoint import Checkpoint, read_config
+from moeshard.models.checkpoint import Checkpoint, CheckpointError, read_config
 from moeshard.models.config import LayerConfig, ModelConfig
 from moeshard.models.kv_cache import CacheSpec, KVCache
 from moeshard.models.layers import DenseMLP, RMSNorm, Rotary, TPComm, VocabParallelEmbedding, block
@@ -38,41 +38,65 @@ def check_layout(cfg: ModelConfig, layout: Layout) -> None:
     for i, layer in enumerate(cfg.layers):
         if layer.moe is None:
             if layer.dense_intermediate % layout.tp:
-                raise LayoutError(f"TP={layout.tp} does not divide layer {i}'s MLP intermediate size {layer.dense_intermediate}.")
+                raise LayoutError(
+                    f"TP={layout.tp} does not divide layer {i}'s MLP intermediate size {layer.dense_intermediate}."
+                )
         else:
             m = layer.moe
-            layout.validate(num_experts=m.num_experts, intermediate=m.intermediate, shared_intermediate=m.shared_intermediate)
+            layout.validate(
+                num_experts=m.num_experts, intermediate=m.intermediate, shared_intermediate=m.shared_intermediate
+            )
 
 
 def read_moe_weights(ckpt: Checkpoint, arch: Architecture, prefix: str, cfg: MoEConfig, shard: RankShard) -> MoEWeights:
     """This rank's slices of one MoE layer, from per-expert tensors or stacked 3-D ones."""
     names = arch.names
-    moe = f"{prefix}.{names.moe_block}"
+    # transformers 5 itself names every MoE block `mlp` (Mixtral's checkpoints say block_sparse_moe).
+    moe = next(
+        (f"{prefix}.{b}" for b in (names.moe_block, "mlp") if f"{prefix}.{b}.gate.weight" in ckpt),
+        f"{prefix}.{names.moe_block}",
+    )
     D, E, I, S = cfg.hidden, cfg.num_experts, cfg.intermediate, cfg.shared_intermediate
     rows = block(I, shard.part, shard.parts)
     experts = slice(shard.experts.start, shard.experts.stop)
-    stacked = next((p for p in (moe, f"{prefix}.mlp") if f"{p}.experts.gate_up_proj" in ckpt), None)
-    if stacked is not None:
-        gate_up = f"{stacked}.experts.gate_up_proj"
+    if f"{moe}.experts.gate_up_proj" in ckpt:
+        gate_up = f"{moe}.experts.gate_up_proj"
         gate = ckpt.read(gate_up, (E, 2 * I, D), (experts, rows))
         up = ckpt.read(gate_up, (E, 2 * I, D), (experts, slice(I + rows.start, I + rows.stop)))
         gate_up_EFD = torch.cat([gate, up], dim=1)
-        down_EDI = ckpt.read(f"{stacked}.experts.down_proj", (E, D, I), (experts, slice(None), rows))
+        down_EDI = ckpt.read(f"{moe}.experts.down_proj", (E, D, I), (experts, slice(None), rows))
     else:
         g, u, d = names.expert_proj
-        gate_up_EFD = torch.stack([
-            torch.cat([ckpt.read(f"{moe}.experts.{e}.{g}.weight", (I, D), (rows,)),
-                       ckpt.read(f"{moe}.experts.{e}.{u}.weight", (I, D), (rows,))])
-            for e in shard.experts
-        ])
-        down_EDI = torch.stack([ckpt.read(f"{moe}.experts.{e}.{d}.weight", (D, I), (slice(None), rows)) for e in shard.experts])
+        gate_up_EFD = torch.stack(
+            [
+                torch.cat(
+                    [
+                        ckpt.read(f"{moe}.experts.{e}.{g}.weight", (I, D), (rows,)),
+                        ckpt.read(f"{moe}.experts.{e}.{u}.weight", (I, D), (rows,)),
+                    ]
+                )
+                for e in shard.experts
+            ]
+        )
+        down_EDI = torch.stack(
+            [ckpt.read(f"{moe}.experts.{e}.{d}.weight", (D, I), (slice(None), rows)) for e in shard.experts]
+        )
     shared = {}
+    if not S and names.shared_block and f"{moe}.{names.shared_block}.gate_proj.weight" in ckpt:
+        # Qwen2-MoE with shared_expert_intermediate_size 0: empty tensors (and a gate with nothing to gate).
+        for proj, shape in (("gate_proj", (0, D)), ("up_proj", (0, D)), ("down_proj", (D, 0))):
+            ckpt.read(f"{moe}.{names.shared_block}.{proj}.weight", shape)
+        ckpt.read(f"{moe}.{names.shared_gate}.weight", (1, D))
     if S:
         srows = block(S, shard.shared_part, shard.shared_parts)
         sp = f"{moe}.{names.shared_block}"
         shared = dict(
-            shared_gate_up_FD=torch.cat([ckpt.read(f"{sp}.gate_proj.weight", (S, D), (srows,)),
-                                         ckpt.read(f"{sp}.up_proj.weight", (S, D), (srows,))]),
+            shared_gate_up_FD=torch.cat(
+                [
+                    ckpt.read(f"{sp}.gate_proj.weight", (S, D), (srows,)),
+                    ckpt.read(f"{sp}.up_proj.weight", (S, D), (srows,)),
+                ]
+            ),
             shared_down_DI=ckpt.read(f"{sp}.down_proj.weight", (D, S), (slice(None), srows)),
             shared_gate_1D=ckpt.read(f"{moe}.{names.shared_gate}.weight", (1, D)) if cfg.shared_gate else None,
         )
@@ -80,18 +104,24 @@ def read_moe_weights(ckpt: Checkpoint, arch: Architecture, prefix: str, cfg: MoE
         router_ED=ckpt.read(f"{moe}.gate.weight", (E, D), dtype=torch.float32),
         gate_up_EFD=gate_up_EFD,
         down_EDI=down_EDI,
-        score_bias_E=ckpt.read(f"{moe}.gate.e_score_correction_bias", (E,), dtype=torch.float32) if cfg.router.score_bias else None,
+        score_bias_E=ckpt.read(f"{moe}.gate.e_score_correction_bias", (E,), dtype=torch.float32)
+        if cfg.router.score_bias
+        else None,
         **shared,
     )
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, ckpt: Checkpoint, arch: Architecture, cfg: ModelConfig, i: int, name: str, parallel: ParallelState, dtype):
+    def __init__(
+        self, ckpt: Checkpoint, arch: Architecture, cfg: ModelConfig, i: int, name: str, parallel: ParallelState, dtype
+    ):
         super().__init__()
         layer: LayerConfig = cfg.layers[i]
         prefix = f"model.layers.{i}"
         self.input_norm = RMSNorm(ckpt.read(f"{prefix}.input_layernorm.weight", (cfg.hidden,)), cfg.rms_eps)
-        self.post_attention_norm = RMSNorm(ckpt.read(f"{prefix}.post_attention_layernorm.weight", (cfg.hidden,)), cfg.rms_eps)
+        self.post_attention_norm = RMSNorm(
+            ckpt.read(f"{prefix}.post_attention_layernorm.weight", (cfg.hidden,)), cfg.rms_eps
+        )
         attention = LatentAttention if cfg.attention.is_mla else Attention
         self.attn = attention(ckpt, f"{prefix}.self_attn", f"{name}.attn", cfg, layer.sliding_window, parallel)
         if layer.moe is None:
@@ -106,7 +136,9 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, ckpt: Checkpoint, arch: Architecture, cfg: ModelConfig, parallel: ParallelState, dtype: torch.dtype):
+    def __init__(
+        self, ckpt: Checkpoint, arch: Architecture, cfg: ModelConfig, parallel: ParallelState, dtype: torch.dtype
+    ):
         super().__init__()
         check_layout(cfg, parallel.layout)
         self.cfg, self.parallel, self.dtype = cfg, parallel, dtype
@@ -117,7 +149,11 @@ class CausalLM(nn.Module):
             DecoderLayer(ckpt, arch, cfg, i, f"{name}.{i}", parallel, dtype) for i in range(len(cfg.layers))
         )
         self.norm = RMSNorm(ckpt.read("model.norm.weight", (cfg.hidden,)), cfg.rms_eps)
-        self.lm_head = self.embed if cfg.tie_embeddings else VocabParallelEmbedding(ckpt, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
+        self.lm_head = (
+            self.embed
+            if cfg.tie_embeddings
+            else VocabParallelEmbedding(ckpt, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
+        )
         self.comm = TPComm(parallel)
 
     def forward(self, ids_T: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
@@ -147,8 +183,12 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> Cau
     cfg, arch = load_config(directory)
     parallel = get_parallel_state()
     ckpt = Checkpoint(directory, dtype, parallel.device)
-    model = CausalLM(ckpt, arch, cfg, parallel, dtype)
-    ckpt.finish(unused_ok=lambda name: unused_by_design(name, cfg))
+    model, error = None, None
+    try:
+        model = CausalLM(ckpt, arch, cfg, parallel, dtype)
+    except CheckpointError as exc:
+        error = str(exc)
+    ckpt.finish(unused_ok=lambda name: unused_by_design(name, cfg), error=error)
     return model.eval()
 
 

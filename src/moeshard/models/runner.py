@@ -44,7 +44,9 @@ class ModelRunner:
         """`block_order`: the order blocks are handed out (a permutation tests that placement is free)."""
         self.model, self.block_size, self.policy, self.force = model, block_size, policy, force
         device = model.parallel.device
-        model.set_kv_caches([allocate(spec, num_blocks, block_size, model.dtype, device) for spec in model.cache_specs()])
+        model.set_kv_caches(
+            [allocate(spec, num_blocks, block_size, model.dtype, device) for spec in model.cache_specs()]
+        )
         self.free = list(reversed(block_order if block_order is not None else range(num_blocks)))
         self.forward = compile_for_serving(model, compile_backend) if compile_backend else model
         self.tp, self.sp = model.parallel.layout.tp, model.parallel.layout.sp
@@ -60,7 +62,9 @@ class ModelRunner:
         seq.blocks = []
 
     @torch.no_grad()
-    def step(self, seqs: list[SequenceState], new_tokens: list[list[int]], all_logits: bool = False) -> list[torch.Tensor]:
+    def step(
+        self, seqs: list[SequenceState], new_tokens: list[list[int]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
         """Append `new_tokens[i]` to `seqs[i]`; return each sequence's logits (fp32).
 
         The last position's [vocab] row, or with `all_logits` one row per new token [n, vocab].

@@ -25,7 +25,7 @@ from moeshard.moe.reduce import Point, ReductionPlan, reduce_at
 from moeshard.moe.router import Router
 from moeshard.moe.shared import SharedExperts
 from moeshard.moe.weights import MoEWeights, RankShard
-from moeshard.parallel.state import ParallelState, get_parallel_state
+from moeshard.parallel.state import get_parallel_state
 
 # Custom ops find their layer by name (a string survives tracing; a module reference does not).
 _LAYERS: "weakref.WeakValueDictionary[str, MoELayer]" = weakref.WeakValueDictionary()

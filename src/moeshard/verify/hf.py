@@ -111,12 +111,16 @@ def check_request(request: Request) -> None:
     """Refuse bad input in the calling process, before any rank starts."""
     cfg, _ = load_config(request.model)
     check_layout(cfg, request.layout)
-    CommMethod.parse(request.method)
+    force = CommMethod.parse(request.method)
+    if force is not None and force.needs_ep and not request.layout.ep and request.layout.world_size > 1:
+        raise ValueError(f"{force.name} needs expert parallelism, but this layout runs with EP off; add --ep.")
     Checkpoint(request.model)  # every file opens (a truncated one does not)
     if request.steps < 0 or not request.prompt_lengths or min(request.prompt_lengths) < 1:
         raise ValueError("prompt lengths must be positive and steps must not be negative.")
     if len(request.prompt_lengths) < request.layout.dp:
-        raise ValueError(f"{len(request.prompt_lengths)} prompts cannot give each of the {request.layout.dp} DP groups one.")
+        raise ValueError(
+            f"{len(request.prompt_lengths)} prompts cannot give each of the {request.layout.dp} DP groups one."
+        )
     if max(request.prompt_lengths) + request.steps > cfg.max_positions:
         raise ValueError(f"a prompt plus {request.steps} steps exceeds the model's {cfg.max_positions} positions.")
 
