@@ -151,17 +151,30 @@ class VocabParallelEmbedding(nn.Module):
         return logits_NV[:, : self.vocab]
 
 
+def read_swiglu(
+    ckpt: Checkpoint,
+    prefix: str,
+    hidden: int,
+    intermediate: int,
+    rows: slice,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A SwiGLU's gate and up rows `rows`, fused (gate first) [F, D], and the matching down columns [D, I]."""
+    gate, up, down = (f"{prefix}.{name}.weight" for name in names)
+    gate_up_FD = torch.cat(
+        [ckpt.read(gate, (intermediate, hidden), (rows,)), ckpt.read(up, (intermediate, hidden), (rows,))]
+    )
+    return gate_up_FD, ckpt.read(down, (hidden, intermediate), (slice(None), rows))
+
+
 class DenseMLP(nn.Module):
     """SwiGLU with gate/up column-parallel and down row-parallel over TP."""
 
     def __init__(self, ckpt: Checkpoint, prefix: str, hidden: int, intermediate: int, parallel: ParallelState):
         super().__init__()
-        tp, t = parallel.layout.tp, parallel.tp_rank
-        rows = block(intermediate, t, tp)
-        gate = ckpt.read(f"{prefix}.gate_proj.weight", (intermediate, hidden), (rows,))
-        up = ckpt.read(f"{prefix}.up_proj.weight", (intermediate, hidden), (rows,))
-        self.gate_up_FD = frozen(torch.cat([gate, up]))
-        self.down_DI = frozen(ckpt.read(f"{prefix}.down_proj.weight", (hidden, intermediate), (slice(None), rows)))
+        rows = block(intermediate, parallel.tp_rank, parallel.layout.tp)
+        gate_up_FD, down_DI = read_swiglu(ckpt, prefix, hidden, intermediate, rows)
+        self.gate_up_FD, self.down_DI = frozen(gate_up_FD), frozen(down_DI)
         self.comm = TPComm(parallel)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:

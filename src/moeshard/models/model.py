@@ -22,7 +22,7 @@ from moeshard.models.attention import Attention, LatentAttention, check_heads
 from moeshard.models.checkpoint import Checkpoint, CheckpointError, read_config
 from moeshard.models.config import LayerConfig, ModelConfig
 from moeshard.models.kv_cache import CacheSpec, KVCache
-from moeshard.models.layers import DenseMLP, RMSNorm, Rotary, TPComm, VocabParallelEmbedding, block
+from moeshard.models.layers import DenseMLP, RMSNorm, Rotary, TPComm, VocabParallelEmbedding, block, read_swiglu
 from moeshard.moe.config import MoEConfig
 from moeshard.moe.layer import MoELayer
 from moeshard.moe.weights import MoEWeights, RankShard
@@ -66,40 +66,18 @@ def read_moe_weights(ckpt: Checkpoint, arch: Architecture, prefix: str, cfg: MoE
         gate_up_EFD = torch.cat([gate, up], dim=1)
         down_EDI = ckpt.read(f"{moe}.experts.down_proj", (E, D, I), (experts, slice(None), rows))
     else:
-        g, u, d = names.expert_proj
-        gate_up_EFD = torch.stack(
-            [
-                torch.cat(
-                    [
-                        ckpt.read(f"{moe}.experts.{e}.{g}.weight", (I, D), (rows,)),
-                        ckpt.read(f"{moe}.experts.{e}.{u}.weight", (I, D), (rows,)),
-                    ]
-                )
-                for e in shard.experts
-            ]
-        )
-        down_EDI = torch.stack(
-            [ckpt.read(f"{moe}.experts.{e}.{d}.weight", (D, I), (slice(None), rows)) for e in shard.experts]
-        )
+        per_expert = [read_swiglu(ckpt, f"{moe}.experts.{e}", D, I, rows, names.expert_proj) for e in shard.experts]
+        gate_up_EFD = torch.stack([gate_up_FD for gate_up_FD, _ in per_expert])
+        down_EDI = torch.stack([down_DI for _, down_DI in per_expert])
     shared = {}
-    if not S and names.shared_block and f"{moe}.{names.shared_block}.gate_proj.weight" in ckpt:
-        # Qwen2-MoE with shared_expert_intermediate_size 0: empty tensors (and a gate with nothing to gate).
-        for proj, shape in (("gate_proj", (0, D)), ("up_proj", (0, D)), ("down_proj", (D, 0))):
-            ckpt.read(f"{moe}.{names.shared_block}.{proj}.weight", shape)
-        ckpt.read(f"{moe}.{names.shared_gate}.weight", (1, D))
-    if S:
-        srows = block(S, shard.shared_part, shard.shared_parts)
-        sp = f"{moe}.{names.shared_block}"
-        shared = dict(
-            shared_gate_up_FD=torch.cat(
-                [
-                    ckpt.read(f"{sp}.gate_proj.weight", (S, D), (srows,)),
-                    ckpt.read(f"{sp}.up_proj.weight", (S, D), (srows,)),
-                ]
-            ),
-            shared_down_DI=ckpt.read(f"{sp}.down_proj.weight", (D, S), (slice(None), srows)),
-            shared_gate_1D=ckpt.read(f"{moe}.{names.shared_gate}.weight", (1, D)) if cfg.shared_gate else None,
+    if names.shared_block and (S or f"{moe}.{names.shared_block}.gate_proj.weight" in ckpt):
+        # S = 0 (Qwen2-MoE without a shared expert) still stores empty tensors and a gate.
+        gate_up_FD, down_DI = read_swiglu(
+            ckpt, f"{moe}.{names.shared_block}", D, S, block(S, shard.shared_part, shard.shared_parts)
         )
+        gate_1D = ckpt.read(f"{moe}.{names.shared_gate}.weight", (1, D)) if names.shared_gate else None
+        if S:
+            shared = dict(shared_gate_up_FD=gate_up_FD, shared_down_DI=down_DI, shared_gate_1D=gate_1D)
     return MoEWeights(
         router_ED=ckpt.read(f"{moe}.gate.weight", (E, D), dtype=torch.float32),
         gate_up_EFD=gate_up_EFD,
