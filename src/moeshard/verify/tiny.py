@@ -125,6 +125,7 @@ def make_tiny_checkpoint(variant: str, directory: str | Path, seed: int = 0) -> 
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny variant {variant!r}; choose one of {', '.join(VARIANTS)}.")
+    transformers.utils.logging.disable_progress_bar()
     config_name, settings = VARIANTS[variant]
     config = getattr(transformers, config_name)(**{**COMMON, **settings})
     torch.manual_seed(seed)
