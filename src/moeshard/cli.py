@@ -80,6 +80,67 @@ def verify_hf(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def layout_list(text: str):
+    from moeshard.parallel import Layout
+
+    return [Layout.parse(part) for part in text.split(",") if part.strip()]
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from moeshard.verify import report
+    from moeshard.verify.eval import run_eval as evaluate
+    from moeshard.verify.eval import to_json
+
+    backends = [None] + ([args.compile_backend] if args.compile else [])
+    console = report.console()
+    total = len(args.layouts) * len(backends) * len(args.moe_comm) * len(args.concurrency)
+    with Progress(
+        TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:
+        task = progress.add_task("", total=total)
+
+        def on_row(row):
+            mark = "[green]identical[/]" if row.identical_to_reference else "[bold red]DIFFERS from the first run[/]"
+            progress.console.print(
+                f"{row.layout:<8} {row.method:<9} {'compiled' if row.compiled else 'eager   '} "
+                f"concurrency {row.concurrency:>3}: accuracy {row.accuracy:.3f} ({row.n}), {mark}"
+            )
+            progress.update(task, advance=1, description=f"{row.layout} {row.method}")
+
+        rows = evaluate(args.layouts, args.concurrency, args.moe_comm, backends, args.n, args.model, on_row)
+    table = Table(title=f"exact match on {args.n} held-out problems (greedy)")
+    for column in ("layout", "method", "compiled", "concurrency", "accuracy", "identical to first run"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r.layout, r.method, "yes" if r.compiled else "no", str(r.concurrency), f"{r.accuracy:.3f}",
+                      "yes" if r.identical_to_reference else "[bold red]no[/]")
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(rows), f, indent=1)
+    return 0 if all(r.identical_to_reference for r in rows) else 1
+
+
+def generate(args: argparse.Namespace) -> int:
+    from moeshard.engine import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    with LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, enable_expert_parallel=args.ep,
+             moe_comm=args.moe_comm, compile=args.compile_backend if args.compile else False) as llm:
+        for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
+            print(f"{prompt}{out.text}" if out.error is None else f"{prompt}  [error: {out.error}]")
+    return 0
+
+
 def make_tiny(args: argparse.Namespace) -> int:
     from moeshard.verify.tiny import make_tiny_checkpoint
 
@@ -97,6 +158,12 @@ def bench_lm_head(args: argparse.Namespace) -> int:
     from moeshard.bench.lm_head import run_bench_lm_head
 
     return run_bench_lm_head(args)
+
+
+def bench_e2e(args: argparse.Namespace) -> int:
+    from moeshard.bench.e2e import run_bench_e2e
+
+    return run_bench_e2e(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +194,34 @@ def build_parser() -> argparse.ArgumentParser:
     vhf.add_argument("--json", metavar="PATH")
     vhf.set_defaults(run=verify_hf)
 
+    ev = commands.add_parser("eval", help="held-out arithmetic through the engine: accuracy and identical outputs")
+    ev.add_argument("--model", default=None, metavar="DIR", help="default: the bundled arithmetic model")
+    ev.add_argument("--layouts", type=layout_list, default="1x1,2x1,1x2-ep,2x2-ep", help="TPxDP[-ep][-sp], comma-separated")
+    ev.add_argument("--concurrency", type=int_list, default=[1, 4, 16])
+    ev.add_argument("--moe-comm", type=lambda t: t.split(","), default=["auto"], help="comma-separated methods")
+    ev.add_argument("--compile", action="store_true", help="also run each layout compiled")
+    ev.add_argument("--compile-backend", default="inductor")
+    ev.add_argument("-n", type=int, default=500, help="held-out problems")
+    ev.add_argument("--json", metavar="PATH")
+    ev.set_defaults(run=run_eval)
+
+    gen = commands.add_parser("generate", help="generate text for prompts")
+    gen.add_argument("prompt", nargs="*", default=["123+456=", "900-999=", "007+993="])
+    gen.add_argument("--model", default=None, metavar="DIR", help="default: the bundled arithmetic model")
+    gen.add_argument("--tp", type=int, default=1)
+    gen.add_argument("--dp", type=int, default=1)
+    gen.add_argument("--ep", action=argparse.BooleanOptionalAction, default=False)
+    gen.add_argument("--moe-comm", default="auto")
+    gen.add_argument("--compile", action="store_true")
+    gen.add_argument("--compile-backend", default="inductor")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.set_defaults(run=generate)
+
     tiny = commands.add_parser("tiny", help="write a tiny random checkpoint of a supported architecture")
     from moeshard.verify.tiny import VARIANTS
 
@@ -148,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     blm.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     blm.add_argument("--repeats", type=int, default=5)
     blm.set_defaults(run=bench_lm_head)
+    be2e = bench_what.add_parser("e2e", help="engine output tokens/s vs. transformers generate")
+    be2e.add_argument("--concurrency", type=int_list, default=[1, 16, 64])
+    be2e.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    be2e.add_argument("--json", metavar="PATH")
+    be2e.set_defaults(run=bench_e2e)
     return parser
 
 

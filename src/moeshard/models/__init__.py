@@ -4,16 +4,16 @@ from moeshard.models.archs import ARCHITECTURES
 from moeshard.models.checkpoint import CheckpointError
 from moeshard.models.config import ModelConfig, ModelConfigError
 from moeshard.models.model import CausalLM, load_config, load_model
-from moeshard.models.runner import ModelRunner, SequenceState
+from moeshard.models.runner import Chunk, ModelRunner
 
 __all__ = [
     "ARCHITECTURES",
     "CausalLM",
+    "Chunk",
     "CheckpointError",
     "ModelConfig",
     "ModelConfigError",
     "ModelRunner",
-    "SequenceState",
     "load_config",
     "load_model",
 ]

@@ -1,15 +1,17 @@
-"""Run a model step by step over sequences that live in a paged KV cache.
+"""Run a model one step at a time over sequences whose K/V live in a paged cache.
 
-This is the model's contract with the engine: one `step` takes, for each of this rank's
-sequences, its new tokens; it lays them out as one flat batch (padded to a multiple of TP under
-SP), builds the step's attention metadata, fixes the MoE method for the step (every rank agrees),
-and returns each sequence's logits. Blocks come from a free list, one whenever a sequence crosses
-a block boundary; the engine's block manager replaces this allocator.
+This is the model's contract with the engine. A step is a list of chunks, one per sequence: its
+new tokens, the position of the first, and its block table (blocks are placed by the caller's
+block manager). The runner lays the chunks out as one flat batch, pads it (to a multiple of TP
+under SP; to a graph bucket when compiled), builds the attention metadata, fixes the MoE method for
+the step (every rank agrees) and returns logits. A rank with nothing to do still steps, on one
+dummy token, so that every collective stays matched.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import bisect
+from dataclasses import dataclass
 
 import torch
 
@@ -19,78 +21,75 @@ from moeshard.models.model import CausalLM
 from moeshard.moe.config import CommMethod, SelectionPolicy
 from moeshard.moe.context import moe_forward_context
 
-
-@dataclass
-class SequenceState:
-    tokens: list[int] = field(default_factory=list)  # every token whose K/V is cached
-    blocks: list[int] = field(default_factory=list)
+BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # compiled batch sizes; eager above the largest
 
 
-class OutOfBlocks(RuntimeError):
-    pass
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    start: int  # position of token_ids[0]; the sequence's earlier tokens are already cached
+    blocks: list[int]  # block table, covering start + len(token_ids) tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
 
 
 class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        num_blocks: int = 256,
-        block_size: int = 4,
+        num_blocks: int,
+        block_size: int,
         policy: SelectionPolicy = SelectionPolicy(),
         force: CommMethod | None = None,
         compile_backend: str | None = None,
-        block_order: list[int] | None = None,
+        buckets: tuple[int, ...] = BUCKETS,
     ):
-        """`block_order`: the order blocks are handed out (a permutation tests that placement is free)."""
         self.model, self.block_size, self.policy, self.force = model, block_size, policy, force
         device = model.parallel.device
-        model.set_kv_caches(
-            [allocate(spec, num_blocks, block_size, model.dtype, device) for spec in model.cache_specs()]
-        )
-        self.free = list(reversed(block_order if block_order is not None else range(num_blocks)))
-        self.forward = compile_for_serving(model, compile_backend) if compile_backend else model
+        caches = [allocate(spec, num_blocks, block_size, model.dtype, device) for spec in model.cache_specs()]
+        model.set_kv_caches(caches)
+        self.compiled = compile_for_serving(model, compile_backend) if compile_backend else None
+        self.buckets = buckets
         self.tp, self.sp = model.parallel.layout.tp, model.parallel.layout.sp
 
-    def ensure_blocks(self, seq: SequenceState, length: int) -> None:
-        while len(seq.blocks) * self.block_size < length:
-            if not self.free:
-                raise OutOfBlocks("the KV cache has no free block left; allocate more blocks or run fewer sequences.")
-            seq.blocks.append(self.free.pop())
-
-    def release(self, seq: SequenceState) -> None:
-        self.free += reversed(seq.blocks)
-        seq.blocks = []
+    def padded_rows(self, rows: int) -> tuple[int, bool]:
+        """Rows to run and whether the compiled graph runs them."""
+        compiled = self.compiled is not None and rows <= self.buckets[-1]
+        if compiled:
+            rows = self.buckets[bisect.bisect_left(self.buckets, rows)]
+        if self.sp:
+            rows = -(-rows // self.tp) * self.tp
+        return rows, compiled
 
     @torch.no_grad()
-    def step(
-        self, seqs: list[SequenceState], new_tokens: list[list[int]], all_logits: bool = False
-    ) -> list[torch.Tensor]:
-        """Append `new_tokens[i]` to `seqs[i]`; return each sequence's logits (fp32).
+    def step(self, chunks: list[Chunk], all_logits: bool = False) -> list[torch.Tensor]:
+        """Each chunk's logits (fp32): its last row [vocab], or with `all_logits` every row [n, vocab].
 
-        The last position's [vocab] row, or with `all_logits` one row per new token [n, vocab].
-        Every rank calls this in lock-step; a rank with no sequences passes empty lists.
+        Every rank calls this in lock-step; a rank with no chunks passes [] (and gets []).
         """
         device = self.model.parallel.device
-        ids, positions, query_lens, seq_lens = [], [], [], []
-        for seq, new in zip(seqs, new_tokens):
-            start = len(seq.tokens)
-            self.ensure_blocks(seq, start + len(new))
-            seq.tokens += new
-            ids += new
-            positions += range(start, start + len(new))
-            query_lens.append(len(new))
-            seq_lens.append(len(seq.tokens))
-        T = len(ids)
-        padded = -(-T // self.tp) * self.tp if self.sp else T
-        meta = AttentionMetadata.build(query_lens, seq_lens, [s.blocks for s in seqs], self.block_size, padded, device)
-        ids_T = torch.tensor(ids + [0] * (padded - T), dtype=torch.int64, device=device)
-        positions_T = torch.tensor(positions + [0] * (padded - T), dtype=torch.int64, device=device)
-        moe_rows = padded // self.tp if self.sp else padded
-        with moe_forward_context(moe_rows, self.policy, self.force), attention_context(meta):
-            hidden_TD = self.forward(ids_T, positions_T)
+        ids = [t for c in chunks for t in c.token_ids]
+        positions = [p for c in chunks for p in range(c.start, c.end)]
+        rows, compiled = self.padded_rows(max(len(ids), 1))  # a dummy row when idle
+        meta = AttentionMetadata.build(
+            [len(c.token_ids) for c in chunks], [c.end for c in chunks], [c.blocks for c in chunks],
+            self.block_size, rows, device,
+        )
+        ids_T = torch.tensor(ids + [0] * (rows - len(ids)), dtype=torch.int64, device=device)
+        positions_T = torch.tensor(positions + [0] * (rows - len(ids)), dtype=torch.int64, device=device)
+        forward = self.compiled if compiled else self.model
+        with moe_forward_context(rows // self.tp if self.sp else rows, self.policy, self.force), attention_context(meta):
+            hidden_TD = forward(ids_T, positions_T)
+        if not chunks:
+            return []
         ends = meta.query_starts[1:]
-        rows = list(range(T)) if all_logits else [end - 1 for end in ends]
-        logits = self.model.logits(hidden_TD[rows]) if rows else hidden_TD.new_zeros(0)
         if not all_logits:
-            return list(logits)
+            return list(self.model.logits(hidden_TD[[end - 1 for end in ends]]))
+        logits = self.model.logits(hidden_TD[: len(ids)])
         return [logits[start:end] for start, end in zip(meta.query_starts, ends)]
+
+    def set_method(self, force: CommMethod | None, policy: SelectionPolicy) -> None:
+        """Change the method for later steps (a compiled graph serves every method)."""
+        self.force, self.policy = force, policy

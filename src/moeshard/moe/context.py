@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from moeshard.moe.config import CommMethod, SelectionPolicy
 from moeshard.parallel import state
+from moeshard.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -21,11 +22,16 @@ class ForwardContext:
     tokens_per_rank: tuple[int, ...]
 
 
+def check_method(force: CommMethod | None, layout: Layout) -> None:
+    """Refuse forcing a method the layout cannot run (before any rank starts, where possible)."""
+    if force is not None and force.needs_ep and not layout.ep and layout.world_size > 1:
+        raise ValueError(f"{force.name} needs expert parallelism, but layout {layout.label()} runs with EP off.")
+
+
 def select_method(num_tokens: int, ep_size: int, policy: SelectionPolicy, force: CommMethod | None) -> CommMethod:
     """DESIGN.md §2: no EP → ALLGATHER; fits MC2's capacity → MC2 (or FUSED_MC2); else ALLTOALL."""
     if force is not None:
-        if force.needs_ep and ep_size == 1 and state.get_parallel_state().layout.world_size > 1:
-            raise ValueError(f"{force.name} needs expert parallelism, but this layout runs with EP off.")
+        check_method(force, state.get_parallel_state().layout)
         if force in (CommMethod.MC2, CommMethod.FUSED_MC2) and num_tokens > policy.mc2_capacity:
             raise ValueError(
                 f"{force.name} was forced for {num_tokens} tokens per rank, over its capacity of "

@@ -16,13 +16,16 @@ import torch
 
 from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.model import check_layout, load_config, load_model
-from moeshard.models.runner import ModelRunner, SequenceState
+from moeshard.engine.block_manager import BlockManager
+from moeshard.models.runner import Chunk, ModelRunner
 from moeshard.moe.config import CommMethod, SelectionPolicy
+from moeshard.moe.context import check_method
 from moeshard.parallel import Layout, set_layout
 from moeshard.parallel.launch import open_layout
 
 TOLERANCE = 1e-3  # max |Δlogit|, fp32
 PROMPT_LENGTHS = (7, 13, 3, 10)
+BLOCK_SIZE = 4  # small, so every prompt spans several blocks
 
 
 @dataclass(frozen=True)
@@ -60,17 +63,22 @@ def rank_run(request: Request) -> dict[int, tuple[list[torch.Tensor], list[int]]
     model = load_model(request.model)
     force = CommMethod.parse(request.method)
     policy = SelectionPolicy() if force is None else SelectionPolicy(mc2_capacity=1 << 20)
-    blocks_needed = sum(-(-(len(p) + request.steps) // 4) for p in prompts)
-    order = torch.randperm(blocks_needed, generator=torch.Generator().manual_seed(parallel.rank)).tolist()
-    runner = ModelRunner(model, blocks_needed, 4, policy, force, request.compile_backend, order)
-    seqs = [SequenceState() for _ in prompts]
-    logits = [[step] for step in runner.step(seqs, prompts, all_logits=True)]
+    num_blocks = sum(-(-(len(p) + request.steps) // BLOCK_SIZE) for p in prompts)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(parallel.rank)).tolist()
+    blocks = BlockManager(num_blocks, BLOCK_SIZE, order)
+    runner = ModelRunner(model, num_blocks, BLOCK_SIZE, policy, force, request.compile_backend)
+    tables = [[] for _ in prompts]
+    for table, prompt in zip(tables, prompts):
+        blocks.grow(table, len(prompt))
+    logits = [[step] for step in runner.step([Chunk(p, 0, t) for p, t in zip(prompts, tables)], all_logits=True)]
     generated: list[list[int]] = [[] for _ in prompts]
     for _ in range(request.steps):
-        new = [[int(steps[-1][-1].argmax())] for steps in logits]
-        for g, token in zip(generated, new):
-            g += token
-        for steps, step_logits in zip(logits, runner.step(seqs, new)):
+        chunks = []
+        for prompt, gen, steps, table in zip(prompts, generated, logits, tables):
+            gen.append(int(steps[-1][-1].argmax()))
+            blocks.grow(table, len(prompt) + len(gen))
+            chunks.append(Chunk(gen[-1:], len(prompt) + len(gen) - 1, table))
+        for steps, step_logits in zip(logits, runner.step(chunks)):
             steps.append(step_logits.unsqueeze(0))
     if parallel.tp_rank != 0:
         return {}
@@ -111,9 +119,7 @@ def check_request(request: Request) -> None:
     """Refuse bad input in the calling process, before any rank starts."""
     cfg, _ = load_config(request.model)
     check_layout(cfg, request.layout)
-    force = CommMethod.parse(request.method)
-    if force is not None and force.needs_ep and not request.layout.ep and request.layout.world_size > 1:
-        raise ValueError(f"{force.name} needs expert parallelism, but this layout runs with EP off; add --ep.")
+    check_method(CommMethod.parse(request.method), request.layout)
     Checkpoint(request.model)  # every file opens (a truncated one does not)
     if request.steps < 0 or not request.prompt_lengths or min(request.prompt_lengths) < 1:
         raise ValueError("prompt lengths must be positive and steps must not be negative.")

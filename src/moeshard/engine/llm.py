@@ -1,0 +1,206 @@
+"""`moeshard.LLM`: continuous batching over a paged KV cache, on any DP × TP × EP layout.
+
+The LLM object is the driver: it tokenizes, schedules (one scheduler per DP group: each group
+serves its own requests), samples and detokenizes. Every step it sends the ranks their chunks and
+they step in lock-step (moeshard.engine.worker); with one rank the worker runs in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moeshard.bundled.arithmetic import MODEL_DIR
+from moeshard.engine import worker
+from moeshard.engine.block_manager import BlockManager
+from moeshard.engine.sampling import Sample, SamplingParams, sample
+from moeshard.engine.scheduler import Request, Scheduler
+from moeshard.models.model import check_layout, load_config
+from moeshard.models.runner import Chunk
+from moeshard.moe.context import check_method
+from moeshard.parallel import Layout
+from moeshard.parallel.launch import open_layout
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None  # per generated token: top-N token → logprob
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", or None on error
+    error: str | None = None  # this request was refused; the others ran
+
+
+class LocalRanks:
+    """One rank: the worker runs in this process."""
+
+    world_size = 1
+
+    def run(self, fn, *args):
+        return [fn(*args)]
+
+    def close(self):
+        worker.stop()
+
+
+def read_eos(directory: Path) -> set[int]:
+    eos = json.loads((directory / "config.json").read_text()).get("eos_token_id")
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        enable_sequence_parallel: bool = False,
+        moe_comm: str = "auto",
+        compile: bool | str = False,
+        dtype: str = "float32",
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        seed: int = 0,
+    ):
+        """`model`: a Hugging Face model directory; None: the bundled arithmetic model.
+        `compile`: True (inductor) or a torch.compile backend name."""
+        self.directory = Path(model) if model is not None else MODEL_DIR
+        cfg, _ = load_config(self.directory)
+        self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel)
+        check_layout(cfg, self.layout)
+        check_method(worker.policy_for(moe_comm)[0], self.layout)  # fails here, before any rank starts
+        self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
+        self.max_num_seqs, self.token_budget, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
+        self.num_blocks = num_kv_blocks or -(-max_num_seqs * self.max_model_len // block_size)
+        self.eos = read_eos(self.directory)
+        self.tokenizer = self.load_tokenizer()
+        self.seed_generator = torch.Generator().manual_seed(seed)
+        self.ids = itertools.count()
+        backend = "inductor" if compile is True else compile or None
+        config = worker.WorkerConfig(
+            str(self.directory), self.layout, dtype, self.num_blocks, block_size, moe_comm, backend
+        )
+        self.ranks = LocalRanks() if self.layout.world_size == 1 else open_layout(self.layout)
+        self.ranks.run(worker.start, config)
+
+    def load_tokenizer(self):
+        path = self.directory / "tokenizer.json"
+        if not path.is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path))
+
+    def set_moe_comm(self, method: str) -> None:
+        """Run later steps with `method` (compiled graphs are reused: they serve every method)."""
+        check_method(worker.policy_for(method)[0], self.layout)
+        self.ranks.run(worker.set_method, method)
+
+    def close(self) -> None:
+        self.ranks.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.directory} has no tokenizer.json; pass prompts as lists of token ids.")
+            return self.tokenizer.encode(prompt).ids
+        return list(prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def make_request(self, prompt, params) -> Request:
+        """A request, or a ValueError naming what is wrong with this one."""
+        if isinstance(params, dict):
+            params = SamplingParams.from_options(**params)
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty.")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}.")
+        capacity = self.num_blocks * self.block_size
+        if min(len(ids) + params.max_tokens, self.max_model_len) > capacity:
+            raise ValueError(f"the request may need {len(ids) + params.max_tokens} tokens; the KV cache holds {capacity}.")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_generator))
+        return Request(next(self.ids), ids, params, torch.Generator().manual_seed(seed))
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
+        max_concurrency: int | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in prompt order. A request refused for bad input gets `error`; the others run.
+
+        `max_concurrency`: at most this many requests in flight at once (default: max_num_seqs).
+        """
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling parameters.")
+        outputs = [RequestOutput(prompt) for prompt in prompts]
+        groups = [
+            Scheduler(BlockManager(self.num_blocks, self.block_size), max_concurrency or self.max_num_seqs, self.token_budget)
+            for _ in range(self.layout.dp)
+        ]
+        requests: dict[int, tuple[Request, RequestOutput]] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            try:
+                request = self.make_request(prompt, params)
+            except ValueError as exc:
+                outputs[i].error = str(exc)
+                continue
+            groups[len(requests) % len(groups)].add(request)
+            requests[request.id] = (request, outputs[i])
+        while any(group.has_work for group in groups):
+            self.step(groups)
+        for request, output in requests.values():
+            output.text, output.token_ids, output.finish_reason = request.text, request.output_ids, request.finish_reason
+            if request.params.logprobs is not None:
+                output.logprobs = [s.top_logprobs | {s.token: s.logprob} for s in request.samples]
+        return outputs
+
+    def step(self, groups: list[Scheduler]) -> None:
+        plans = [group.schedule() for group in groups]
+        chunks = [
+            [Chunk(r.tokens[r.num_computed : r.num_computed + n], r.num_computed, list(r.blocks)) for r, n in plan]
+            for plan in plans
+        ]
+        per_rank = self.ranks.run(worker.step, chunks)
+        for d, (group, plan) in enumerate(zip(groups, plans)):
+            logits = per_rank[d * self.layout.tp]
+            for (request, n), row in zip(plan, logits):
+                request.num_computed += n
+                if request.num_computed == request.num_tokens:
+                    self.append(group, request, sample(row, request.params, request.generator))
+
+    def append(self, group: Scheduler, request: Request, drawn: Sample) -> None:
+        params = request.params
+        request.output_ids.append(drawn.token)
+        request.samples.append(drawn)
+        request.text = self.decode(request.output_ids)
+        if drawn.token in self.eos and not params.ignore_eos:
+            group.finish(request, "stop")
+            return
+        for stop in params.stop:
+            if stop in request.text:
+                request.text = request.text[: request.text.index(stop)]
+                group.finish(request, "stop")
+                return
+        if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            group.finish(request, "length")

@@ -1,0 +1,77 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Each request samples from its own logits row with its own generator, so a request with a seed
+draws the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
+    ignore_eos: bool = False
+    logprobs: int | None = None  # also return the top-N logprobs of each sampled position
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must not be negative, got {self.temperature}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (no limit) or positive, got {self.top_k}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must not be negative, got {self.logprobs}.")
+
+    @classmethod
+    def from_options(cls, **options) -> "SamplingParams":
+        """Like the constructor, but an unknown option is a ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+        return cls(**options)
+
+
+@dataclass
+class Sample:
+    token: int
+    logprob: float
+    top_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sample:
+    """One token from one row of fp32 logits."""
+    logprobs_V = logits_V.log_softmax(-1)
+    if params.temperature == 0:
+        token = int(logits_V.argmax())
+    else:
+        scaled_V = logits_V / params.temperature
+        if params.top_k:
+            kth = scaled_V.topk(min(params.top_k, scaled_V.numel())).values[-1]
+            scaled_V = scaled_V.masked_fill(scaled_V < kth, float("-inf"))
+        if params.top_p < 1:
+            sorted_V, order_V = scaled_V.sort(descending=True)
+            cumulative_V = sorted_V.softmax(-1).cumsum(-1)
+            # Keep the smallest prefix whose mass reaches top_p (always the first token).
+            drop_V = cumulative_V - sorted_V.softmax(-1) >= params.top_p
+            scaled_V = scaled_V.scatter(0, order_V, sorted_V.masked_fill(drop_V, float("-inf")))
+        token = int(torch.multinomial(scaled_V.softmax(-1), 1, generator=generator))
+    top = {}
+    if params.logprobs:
+        values, ids = logprobs_V.topk(min(params.logprobs, logprobs_V.numel()))
+        top = dict(zip(ids.tolist(), values.tolist()))
+    return Sample(token, float(logprobs_V[token]), top)
