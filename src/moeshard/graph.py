@@ -8,7 +8,28 @@ replay tests exercise.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+
+
+def serving_op(name: str) -> Callable:
+    """Define `fn` as the custom op `name` (no mutated arguments), which compiled graphs keep as one
+    opaque call that decides at run time. Outside compiled code the returned function calls `fn`
+    directly: the same computation, without the dispatcher's cost (~0.25 ms a call on CPU)."""
+
+    def define(fn: Callable) -> Callable:
+        op = torch.library.custom_op(name, fn, mutates_args=())
+
+        @functools.wraps(fn)
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+        call.register_fake = op.register_fake
+        return call
+
+    return define
 
 
 def compile_for_serving(module: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:

@@ -125,7 +125,7 @@ class Attention(AttentionBase):
         if self.q_norm is not None:
             q_THd, k_TGd = self.q_norm(q_THd), self.k_norm(k_TGd)
         q_THd, k_TGd = rotary(q_THd, positions_T), rotary(k_TGd, positions_T)
-        o_THd = torch.ops.moeshard.paged_attention(q_THd, k_TGd, v_TGd, self.name)
+        o_THd = kv_cache.paged_attention(q_THd, k_TGd, v_TGd, self.name)
         return self.project_out(o_THd)
 
 
@@ -171,5 +171,5 @@ class LatentAttention(AttentionBase):
         q_latent_THC = torch.einsum("thn,hnc->thc", q_nope_THn, self.w_uk_HnC)
         q_THk = torch.cat([q_latent_THC, rotary(q_rope_THr, positions_T)], dim=-1)
         k_T1k = torch.cat([latent_T1C, k_rope_T1r], dim=-1)
-        o_latent_THC = torch.ops.moeshard.paged_attention(q_THk, k_T1k, latent_T1C, self.name)
+        o_latent_THC = kv_cache.paged_attention(q_THk, k_T1k, latent_T1C, self.name)
         return self.project_out(torch.einsum("thc,hvc->thv", o_latent_THC, self.w_uv_HvC))

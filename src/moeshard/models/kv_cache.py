@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.graph import serving_op
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -47,15 +49,22 @@ def allocate(spec: CacheSpec, num_blocks: int, block_size: int, dtype: torch.dty
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """One step's flat batch: sequence i's new tokens are rows [query_starts[i], query_starts[i+1]).
+    """One step's flat batch of S sequences: sequence i's new tokens are rows
+    [query_starts[i], query_starts[i+1]); rows after the last sequence's are padding (slot -1:
+    written nowhere, output zero).
 
-    Rows after the last sequence's are padding (slot -1: written nowhere, output zero).
+    The gather tables are built once per step and shared by every layer: sequence i's context
+    slots (keys 0 … seq_lens[i]-1), and its query rows padded to the step's longest chunk Q.
     """
 
-    query_starts: tuple[int, ...]  # len = sequences + 1
+    query_starts: tuple[int, ...]  # len S + 1
     seq_lens: tuple[int, ...]  # context length after this step, new tokens included
     slot_mapping_T: torch.Tensor  # int64, -1 for padding rows
-    block_tables: torch.Tensor  # [sequences, max blocks] int64
+    context_slots_SL: torch.Tensor  # int64 [S, L], L = max seq_len; 0 past a sequence's length
+    context_valid_SL: torch.Tensor  # bool
+    query_rows_SQ: torch.Tensor  # int64 [S, Q]: row of each query; 0 past a sequence's chunk
+    query_pos_SQ: torch.Tensor  # int64 position of each query
+    query_valid_SQ: torch.Tensor  # bool
 
     @classmethod
     def build(
@@ -67,19 +76,29 @@ class AttentionMetadata:
         padded_rows: int,
         device="cpu",
     ) -> "AttentionMetadata":
+        S = len(query_lens)
         starts = [0]
-        slots: list[int] = []
-        for n, length, table in zip(query_lens, seq_lens, block_tables):
+        for n in query_lens:
             starts.append(starts[-1] + n)
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(length - n, length)]
-        slots += [-1] * (padded_rows - len(slots))
         width = max((len(t) for t in block_tables), default=0)
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        tables_SB = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        tables_SB = tables_SB.reshape(S, width)
+        lens_S, qlens_S = torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64)
+        k_pos_L = torch.arange(max(seq_lens, default=0))
+        valid_SL = k_pos_L < lens_S[:, None]
+        slots_SL = tables_SB.gather(1, (k_pos_L // block_size).expand(S, -1).clamp(max=max(width - 1, 0)))
+        slots_SL = torch.where(valid_SL, slots_SL * block_size + k_pos_L % block_size, 0)
+        q_off_Q = torch.arange(max(query_lens, default=0))
+        q_valid_SQ = q_off_Q < qlens_S[:, None]
+        q_pos_SQ = (lens_S - qlens_S)[:, None] + q_off_Q
+        # The new tokens' slots are the context slots at their positions.
+        new_slots = slots_SL.gather(1, q_pos_SQ.clamp(max=max(slots_SL.shape[1] - 1, 0)))[q_valid_SQ]
+        slot_mapping_T = torch.full((padded_rows,), -1, dtype=torch.int64)
+        slot_mapping_T[: new_slots.numel()] = new_slots
+        rows_SQ = torch.where(q_valid_SQ, torch.tensor(starts[:-1], dtype=torch.int64)[:, None] + q_off_Q, 0)
         return cls(
-            tuple(starts),
-            tuple(seq_lens),
-            torch.tensor(slots, dtype=torch.int64, device=device),
-            tables.reshape(len(block_tables), width).to(device),
+            tuple(starts), tuple(seq_lens), *(t.to(device) for t in (
+                slot_mapping_T, slots_SL, valid_SL, rows_SQ, q_pos_SQ, q_valid_SQ))
         )
 
 
@@ -119,47 +138,32 @@ def register(name: str, layer: AttentionLayer) -> None:
     _LAYERS[name] = layer
 
 
-def attend(q_nHd: torch.Tensor, k_LGd: torch.Tensor, v_LGe: torch.Tensor, first_pos: int, scale: float, window):
-    """Causal attention of n queries at positions first_pos… over L keys at 0…L-1 (fp32 softmax)."""
-    n, H, _ = q_nHd.shape
-    L, G, _ = k_LGd.shape
-    q_pos = torch.arange(first_pos, first_pos + n, device=q_nHd.device)[:, None]
-    k_pos = torch.arange(L, device=q_nHd.device)[None, :]
-    visible_nL = k_pos <= q_pos
-    if window is not None:
-        visible_nL &= k_pos > q_pos - window
-    k_HLd = k_LGd.repeat_interleave(H // G, dim=1).transpose(0, 1).float()
-    v_HLe = v_LGe.repeat_interleave(H // G, dim=1).transpose(0, 1).float()
-    scores_HnL = (q_nHd.transpose(0, 1).float() @ k_HLd.transpose(1, 2)) * scale
-    probs_HnL = scores_HnL.masked_fill(~visible_nL, float("-inf")).softmax(dim=-1)
-    return (probs_HnL @ v_HLe).transpose(0, 1).to(q_nHd.dtype)
-
-
-@torch.library.custom_op("moeshard::paged_attention", mutates_args=())
+@serving_op("moeshard::paged_attention")
 def paged_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGe: torch.Tensor, layer_name: str) -> torch.Tensor:
-    """Write this step's K/V into the layer's cache, then attend per sequence: [T, H, Dv]."""
+    """Write this step's K/V into the layer's cache, then causal attention of every sequence's new
+    tokens over its cached context, all sequences in one padded batch (fp32 softmax): [T, H, Dv]."""
     layer, meta = _LAYERS[layer_name], get_attention_metadata()
     cache = layer.cache
     if cache is None:
         raise RuntimeError(f"attention layer {layer_name!r} has no KV cache; allocate one before running.")
     written = meta.slot_mapping_T >= 0
-    slots = meta.slot_mapping_T[written]
-    cache.k_SGd[slots] = k_TGd[written].to(cache.k_SGd.dtype)
-    cache.v_SGe[slots] = v_TGe[written].to(cache.v_SGe.dtype)
+    cache.k_SGd[meta.slot_mapping_T[written]] = k_TGd[written].to(cache.k_SGd.dtype)
+    cache.v_SGe[meta.slot_mapping_T[written]] = v_TGe[written].to(cache.v_SGe.dtype)
     out_THe = q_THd.new_zeros((q_THd.shape[0], q_THd.shape[1], v_TGe.shape[-1]))
-    bs = cache.block_size
-    for i, length in enumerate(meta.seq_lens):
-        start, end = meta.query_starts[i], meta.query_starts[i + 1]
-        positions = torch.arange(length, device=q_THd.device)
-        context = meta.block_tables[i, positions // bs] * bs + positions % bs
-        out_THe[start:end] = attend(
-            q_THd[start:end],
-            cache.k_SGd[context],
-            cache.v_SGe[context],
-            length - (end - start),
-            layer.scale,
-            layer.window,
-        )
+    if not meta.seq_lens:
+        return out_THe
+    H, G = q_THd.shape[1], cache.k_SGd.shape[1]
+    q_SHQd = q_THd[meta.query_rows_SQ].transpose(1, 2).float()
+    k_SHLd = cache.k_SGd[meta.context_slots_SL].repeat_interleave(H // G, dim=2).transpose(1, 2).float()
+    v_SHLe = cache.v_SGe[meta.context_slots_SL].repeat_interleave(H // G, dim=2).transpose(1, 2).float()
+    k_pos_L = torch.arange(meta.context_slots_SL.shape[1], device=q_THd.device)
+    visible_SQL = (k_pos_L <= meta.query_pos_SQ[..., None]) & meta.context_valid_SL[:, None, :]
+    if layer.window is not None:
+        visible_SQL &= k_pos_L > meta.query_pos_SQ[..., None] - layer.window
+    scores_SHQL = (q_SHQd @ k_SHLd.transpose(-1, -2)) * layer.scale
+    probs_SHQL = scores_SHQL.masked_fill(~visible_SQL[:, None], float("-inf")).softmax(dim=-1)
+    out_SQHe = (probs_SHQL.nan_to_num() @ v_SHLe).transpose(1, 2)  # padded queries see nothing: NaN → 0
+    out_THe[meta.query_rows_SQ[meta.query_valid_SQ]] = out_SQHe[meta.query_valid_SQ].to(out_THe.dtype)
     return out_THe
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moeshard.graph import serving_op
 from moeshard.moe.config import CommMethod, MoEConfig
 from moeshard.moe.context import get_forward_context
 from moeshard.moe.dispatch import DISPATCHERS
@@ -88,7 +89,7 @@ class MoELayer(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         self.check_input(x_TD)
         topk_ids_TK, topk_weights_TK = self.router(x_TD)
-        routed_TD = torch.ops.moeshard.routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.name)
+        routed_TD = routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.name)
         if self.plan.routed_early:
             routed_TD = self.reduce(routed_TD, Point.ROUTED_EARLY)
         if self.transform is not None:
@@ -107,7 +108,7 @@ class MoELayer(nn.Module):
         return reduce_at(x, point, self.plan, self.parallel.layout.sp)
 
 
-@torch.library.custom_op("moeshard::routed_experts", mutates_args=())
+@serving_op("moeshard::routed_experts")
 def routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, layer_name: str) -> torch.Tensor:
     """Dispatch → experts → combine with the method live in this forward's context."""
     layer = get_layer(layer_name)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.graph import serving_op
 from moeshard.moe.config import CommMethod, SharedLayout
 from moeshard.moe.context import get_forward_context
 from moeshard.parallel import state
@@ -74,7 +75,7 @@ def reduce_over_tp(x: torch.Tensor, sp: bool) -> torch.Tensor:
     return state.reduce_scatter(x, tp_group) if sp else state.all_reduce(x, tp_group)
 
 
-@torch.library.custom_op("moeshard::maybe_reduce", mutates_args=())
+@serving_op("moeshard::maybe_reduce")
 def maybe_reduce(x: torch.Tensor, point: str, routed_early: bool, sp: bool) -> torch.Tensor:
     """Reduce `x` over TP at `point` if the live method requires it; otherwise return a copy."""
     if reduces_now(Point(point), get_forward_context().method, sp, routed_early):
@@ -91,4 +92,4 @@ def _(x, point, routed_early, sp):
 
 def reduce_at(x: torch.Tensor, point: Point, plan: ReductionPlan, sp: bool) -> torch.Tensor:
     """Insert `point` into the graph (the caller checked that it exists)."""
-    return torch.ops.moeshard.maybe_reduce(x, point.value, plan.routed_early, sp)
+    return maybe_reduce(x, point.value, plan.routed_early, sp)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from moeshard.graph import serving_op
 from moeshard.parallel import state
 
 
-@torch.library.custom_op("moeshard::tp_all_gather", mutates_args=())
+@serving_op("moeshard::tp_all_gather")
 def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """[T, ...] on each TP rank → [TP·T, ...], in TP-rank order."""
     return state.all_gather(x, state.get_parallel_state().tp_group)
@@ -22,7 +23,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((state.get_parallel_state().layout.tp * x.shape[0], *x.shape[1:]))
 
 
-@torch.library.custom_op("moeshard::tp_all_reduce", mutates_args=())
+@serving_op("moeshard::tp_all_reduce")
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group, unconditionally."""
     return state.all_reduce(x, state.get_parallel_state().tp_group)
@@ -33,7 +34,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("moeshard::tp_reduce_scatter", mutates_args=())
+@serving_op("moeshard::tp_reduce_scatter")
 def tp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group and keep this rank's dim-0 chunk, unconditionally."""
     return state.reduce_scatter(x, state.get_parallel_state().tp_group)

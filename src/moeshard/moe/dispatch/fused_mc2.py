@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moeshard.graph import serving_op
 from moeshard.moe.config import CommMethod
 from moeshard.moe.dispatch.base import sum_over_topk, unsort
 from moeshard.moe.dispatch.mc2 import MC2Dispatcher, mc2_slots
@@ -16,7 +17,7 @@ from moeshard.moe.experts import group_by_expert, grouped_swiglu
 from moeshard.parallel import state
 
 
-@torch.library.custom_op("moeshard::fused_mc2", mutates_args=())
+@serving_op("moeshard::fused_mc2")
 def fused_mc2(
     x_RD: torch.Tensor,
     topk_ids_RK: torch.Tensor,
@@ -55,7 +56,7 @@ class FusedMC2Dispatcher(MC2Dispatcher):
     method = CommMethod.FUSED_MC2
 
     def dispatch_experts_combine(self, prepared, experts):
-        return torch.ops.moeshard.fused_mc2(
+        return fused_mc2(
             prepared.x_RD,
             prepared.topk_ids_RK,
             prepared.topk_weights_RK,
