@@ -27,10 +27,23 @@ ID = {c: i for i, c in enumerate(VOCAB)}
 
 def config() -> transformers.Qwen2MoeConfig:
     return transformers.Qwen2MoeConfig(
-        vocab_size=len(VOCAB), hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-        shared_expert_intermediate_size=128, norm_topk_prob=True, max_position_embeddings=32, tie_word_embeddings=True,
-        pad_token_id=ID[PAD], eos_token_id=ID[EOS], bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        vocab_size=len(VOCAB),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        norm_topk_prob=True,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        pad_token_id=ID[PAD],
+        eos_token_id=ID[EOS],
+        bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         router_aux_loss_coef=0.01,
     )
 
@@ -61,8 +74,9 @@ def accuracy(model, problems) -> float:
         # Left-pad so every prompt ends at the same column.
         ids = torch.tensor([[ID[PAD]] * (width - len(t)) + t for t in prompts])
         mask = (ids != ID[PAD]).long()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=ID[PAD],
-                             eos_token_id=ID[EOS])
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=ID[PAD], eos_token_id=ID[EOS]
+        )
         for p, row in zip(chunk, out[:, width:].tolist()):
             text = "".join(VOCAB[i] for i in row).split(EOS)[0].replace(PAD, "")
             correct += text == p.answer
@@ -88,8 +102,13 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     budget = args.minutes * 60
     start, step, best = time.monotonic(), 0, 0.0
-    with Progress(TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=console) as progress:
+    with Progress(
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
         task = progress.add_task("", total=budget)
         while (elapsed := time.monotonic() - start) < budget:
             frac = elapsed / budget

@@ -17,7 +17,10 @@ LENGTHS = (5, 17, 3, 9, 30, 2)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
-    return {v: str(make_tiny_checkpoint(v, root / v, seed=3)) for v in ("qwen3_moe", "qwen2_moe", "mixtral_top2", "deepseek_v3")}
+    return {
+        v: str(make_tiny_checkpoint(v, root / v, seed=3))
+        for v in ("qwen3_moe", "qwen2_moe", "mixtral_top2", "deepseek_v3")
+    }
 
 
 def prompts(vocab=101):
@@ -29,9 +32,10 @@ def hf_greedy(model_dir, prompt_list, max_new_tokens=10):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for p in prompt_list:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-        out.append(ids[0, len(p):].tolist())
+        ids = model.generate(
+            torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        out.append(ids[0, len(p) :].tolist())
     return out
 
 

@@ -34,8 +34,9 @@ def test_accuracy_on_500_held_out_problems_one_rank():
 
 def test_stop_strings_and_text(tmp_path):
     with LLM() as llm:
-        plain, stopped = llm.generate(["123+456=", "123+456="], [SamplingParams(temperature=0),
-                                                                  SamplingParams(temperature=0, stop="7")])
+        plain, stopped = llm.generate(
+            ["123+456=", "123+456="], [SamplingParams(temperature=0), SamplingParams(temperature=0, stop="7")]
+        )
     assert plain.text == Problem(123, "+", 456).answer and plain.finish_reason == "stop"
     assert stopped.text == plain.text[: plain.text.index("7")] and stopped.finish_reason == "stop"
 
@@ -44,14 +45,35 @@ def test_stop_strings_and_text(tmp_path):
 def test_eval_identical_everywhere(tmp_path, layouts, methods):
     out = tmp_path / "eval.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "moeshard", "eval", "--layouts", layouts, "--concurrency", "1,4,16", "--moe-comm",
-         methods, "--compile", "--compile-backend", "aot_eager", "-n", "40", "--json", str(out)],
-        capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "moeshard",
+            "eval",
+            "--layouts",
+            layouts,
+            "--concurrency",
+            "1,4,16",
+            "--moe-comm",
+            methods,
+            "--compile",
+            "--compile-backend",
+            "aot_eager",
+            "-n",
+            "40",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert all(set(r) == {"layout", "method", "compiled", "concurrency", "n", "accuracy", "identical_to_reference"}
-               for r in rows)
+    assert all(
+        set(r) == {"layout", "method", "compiled", "concurrency", "n", "accuracy", "identical_to_reference"}
+        for r in rows
+    )
     n_layouts, n_methods = len(layouts.split(",")), len(methods.split(","))
     assert len(rows) == n_layouts * n_methods * 3 * 2
     assert all(r["identical_to_reference"] for r in rows)

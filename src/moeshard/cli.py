@@ -128,6 +128,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
+    import re
+
+    from moeshard.bundled.arithmetic import Problem
     from moeshard.engine import LLM, SamplingParams
 
     params = SamplingParams(
@@ -137,7 +140,12 @@ def generate(args: argparse.Namespace) -> int:
     with LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, enable_expert_parallel=args.ep,
              moe_comm=args.moe_comm, compile=args.compile_backend if args.compile else False) as llm:
         for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
-            print(f"{prompt}{out.text}" if out.error is None else f"{prompt}  [error: {out.error}]")
+            if out.error is not None:
+                print(f"{prompt}  [error: {out.error}]")
+            elif args.model is None and re.fullmatch(r"-?\d+", out.text):  # the bundled model writes digits reversed
+                print(f"{prompt}{out.text}    (= {Problem.value_of(out.text)})")
+            else:
+                print(f"{prompt}{out.text}")
     return 0
 
 

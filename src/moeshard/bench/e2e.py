@@ -24,8 +24,16 @@ from moeshard.engine import LLM, SamplingParams
 from moeshard.verify.tiny import spread_init
 
 LARGER_QWEN3_MOE = dict(
-    vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, max_position_embeddings=512,
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=256,
+    max_position_embeddings=512,
 )
 PROMPT_TOKENS = 8
 
@@ -58,8 +66,14 @@ def transformers_tok_s(model, prompts: list[list[int]], concurrency: int, tokens
         batch = prompts[i : i + concurrency]
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        model.generate(ids, attention_mask=(torch.arange(width) >= width - torch.tensor([len(p) for p in batch])[:, None]).long(),
-                       max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+        model.generate(
+            ids,
+            attention_mask=(torch.arange(width) >= width - torch.tensor([len(p) for p in batch])[:, None]).long(),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     return len(prompts) * tokens / (time.perf_counter() - start)
 
 
@@ -95,8 +109,15 @@ def run_bench_e2e(args) -> int:
     for column in ("model", "concurrency", "requests", "tokens each", "moeshard tok/s", "transformers tok/s", "ratio"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(r.model, str(r.concurrency), str(r.requests), str(r.tokens_per_request), f"{r.moeshard_tok_s:,.0f}",
-                      f"{r.transformers_tok_s:,.0f}", f"{r.ratio:.2f}")
+        table.add_row(
+            r.model,
+            str(r.concurrency),
+            str(r.requests),
+            str(r.tokens_per_request),
+            f"{r.moeshard_tok_s:,.0f}",
+            f"{r.transformers_tok_s:,.0f}",
+            f"{r.ratio:.2f}",
+        )
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:

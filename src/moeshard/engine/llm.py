@@ -135,8 +135,12 @@ class LLM:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}.")
         capacity = self.num_blocks * self.block_size
         if min(len(ids) + params.max_tokens, self.max_model_len) > capacity:
-            raise ValueError(f"the request may need {len(ids) + params.max_tokens} tokens; the KV cache holds {capacity}.")
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_generator))
+            raise ValueError(
+                f"the request may need {len(ids) + params.max_tokens} tokens; the KV cache holds {capacity}."
+            )
+        seed = (
+            params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_generator))
+        )
         return Request(next(self.ids), ids, params, torch.Generator().manual_seed(seed))
 
     def generate(
@@ -155,7 +159,9 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling parameters.")
         outputs = [RequestOutput(prompt) for prompt in prompts]
         groups = [
-            Scheduler(BlockManager(self.num_blocks, self.block_size), max_concurrency or self.max_num_seqs, self.token_budget)
+            Scheduler(
+                BlockManager(self.num_blocks, self.block_size), max_concurrency or self.max_num_seqs, self.token_budget
+            )
             for _ in range(self.layout.dp)
         ]
         requests: dict[int, tuple[Request, RequestOutput]] = {}
@@ -170,7 +176,11 @@ class LLM:
         while any(group.has_work for group in groups):
             self.step(groups)
         for request, output in requests.values():
-            output.text, output.token_ids, output.finish_reason = request.text, request.output_ids, request.finish_reason
+            output.text, output.token_ids, output.finish_reason = (
+                request.text,
+                request.output_ids,
+                request.finish_reason,
+            )
             if request.params.logprobs is not None:
                 output.logprobs = [s.top_logprobs | {s.token: s.logprob} for s in request.samples]
         return outputs

@@ -97,8 +97,9 @@ class AttentionMetadata:
         slot_mapping_T[: new_slots.numel()] = new_slots
         rows_SQ = torch.where(q_valid_SQ, torch.tensor(starts[:-1], dtype=torch.int64)[:, None] + q_off_Q, 0)
         return cls(
-            tuple(starts), tuple(seq_lens), *(t.to(device) for t in (
-                slot_mapping_T, slots_SL, valid_SL, rows_SQ, q_pos_SQ, q_valid_SQ))
+            tuple(starts),
+            tuple(seq_lens),
+            *(t.to(device) for t in (slot_mapping_T, slots_SL, valid_SL, rows_SQ, q_pos_SQ, q_valid_SQ)),
         )
 
 

@@ -74,13 +74,20 @@ class ModelRunner:
         positions = [p for c in chunks for p in range(c.start, c.end)]
         rows, compiled = self.padded_rows(max(len(ids), 1))  # a dummy row when idle
         meta = AttentionMetadata.build(
-            [len(c.token_ids) for c in chunks], [c.end for c in chunks], [c.blocks for c in chunks],
-            self.block_size, rows, device,
+            [len(c.token_ids) for c in chunks],
+            [c.end for c in chunks],
+            [c.blocks for c in chunks],
+            self.block_size,
+            rows,
+            device,
         )
         ids_T = torch.tensor(ids + [0] * (rows - len(ids)), dtype=torch.int64, device=device)
         positions_T = torch.tensor(positions + [0] * (rows - len(ids)), dtype=torch.int64, device=device)
         forward = self.compiled if compiled else self.model
-        with moe_forward_context(rows // self.tp if self.sp else rows, self.policy, self.force), attention_context(meta):
+        with (
+            moe_forward_context(rows // self.tp if self.sp else rows, self.policy, self.force),
+            attention_context(meta),
+        ):
             hidden_TD = forward(ids_T, positions_T)
         if not chunks:
             return []

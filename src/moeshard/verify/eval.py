@@ -53,8 +53,13 @@ def run_eval(
     for layout in layouts:
         for backend in backends:
             with LLM(
-                model, tensor_parallel_size=layout.tp, data_parallel_size=layout.dp, enable_expert_parallel=layout.ep,
-                enable_sequence_parallel=layout.sp, moe_comm=methods[0], compile=backend or False,
+                model,
+                tensor_parallel_size=layout.tp,
+                data_parallel_size=layout.dp,
+                enable_expert_parallel=layout.ep,
+                enable_sequence_parallel=layout.sp,
+                moe_comm=methods[0],
+                compile=backend or False,
                 max_num_seqs=max(concurrencies),
             ) as llm:
                 for method in methods:
@@ -63,8 +68,9 @@ def run_eval(
                         texts = [o.text for o in llm.generate(prompts, GREEDY, max_concurrency=concurrency)]
                         reference = reference or texts
                         correct = sum(text == p.answer for text, p in zip(texts, problems))
-                        row = EvalRow(layout.label(), method, backend is not None, concurrency, n, correct / n,
-                                      texts == reference)
+                        row = EvalRow(
+                            layout.label(), method, backend is not None, concurrency, n, correct / n, texts == reference
+                        )
                         rows.append(row)
                         on_row(row)
     return rows
