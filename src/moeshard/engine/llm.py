@@ -17,7 +17,7 @@ import torch
 from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import worker
 from moeshard.engine.block_manager import BlockManager
-from moeshard.engine.sampling import Sample, SamplingParams, sample
+from moeshard.engine.sampling import Sample, SamplingParams, sample_batch
 from moeshard.engine.scheduler import Request, Scheduler
 from moeshard.models.model import check_layout, load_config
 from moeshard.models.runner import Chunk
@@ -193,24 +193,31 @@ class LLM:
         ]
         per_rank = self.ranks.run(worker.step, chunks)
         for d, (group, plan) in enumerate(zip(groups, plans)):
-            logits = per_rank[d * self.layout.tp]
-            for (request, n), row in zip(plan, logits):
+            for (request, n) in plan:
                 request.num_computed += n
-                if request.num_computed == request.num_tokens:
-                    self.append(group, request, sample(row, request.params, request.generator))
+            ready = [i for i, (request, _) in enumerate(plan) if request.num_computed == request.num_tokens]
+            if not ready:
+                continue
+            logits = torch.stack([per_rank[d * self.layout.tp][i] for i in ready])
+            requests = [plan[i][0] for i in ready]
+            drawn = sample_batch(logits, [r.params for r in requests], [r.generator for r in requests])
+            for request, sampled in zip(requests, drawn):
+                self.append(group, request, sampled)
 
     def append(self, group: Scheduler, request: Request, drawn: Sample) -> None:
         params = request.params
         request.output_ids.append(drawn.token)
         request.samples.append(drawn)
-        request.text = self.decode(request.output_ids)
         if drawn.token in self.eos and not params.ignore_eos:
-            group.finish(request, "stop")
-            return
-        for stop in params.stop:
-            if stop in request.text:
-                request.text = request.text[: request.text.index(stop)]
-                group.finish(request, "stop")
-                return
+            return self.finish(group, request, "stop")
+        if params.stop:
+            text = self.decode(request.output_ids)
+            for stop in params.stop:
+                if stop in text:
+                    return self.finish(group, request, "stop", text[: text.index(stop)])
         if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            group.finish(request, "length")
+            self.finish(group, request, "length")
+
+    def finish(self, group: Scheduler, request: Request, reason: str, text: str | None = None) -> None:
+        request.text = self.decode(request.output_ids) if text is None else text
+        group.finish(request, reason)

@@ -49,29 +49,41 @@ class SamplingParams:
 @dataclass
 class Sample:
     token: int
-    logprob: float
+    logprob: float | None = None  # only when the request asked for logprobs
     top_logprobs: dict[int, float] = field(default_factory=dict)
 
 
-def sample(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sample:
-    """One token from one row of fp32 logits."""
-    logprobs_V = logits_V.log_softmax(-1)
-    if params.temperature == 0:
-        token = int(logits_V.argmax())
-    else:
-        scaled_V = logits_V / params.temperature
-        if params.top_k:
-            kth = scaled_V.topk(min(params.top_k, scaled_V.numel())).values[-1]
-            scaled_V = scaled_V.masked_fill(scaled_V < kth, float("-inf"))
-        if params.top_p < 1:
-            sorted_V, order_V = scaled_V.sort(descending=True)
-            cumulative_V = sorted_V.softmax(-1).cumsum(-1)
-            # Keep the smallest prefix whose mass reaches top_p (always the first token).
-            drop_V = cumulative_V - sorted_V.softmax(-1) >= params.top_p
-            scaled_V = scaled_V.scatter(0, order_V, sorted_V.masked_fill(drop_V, float("-inf")))
-        token = int(torch.multinomial(scaled_V.softmax(-1), 1, generator=generator))
-    top = {}
-    if params.logprobs:
-        values, ids = logprobs_V.topk(min(params.logprobs, logprobs_V.numel()))
-        top = dict(zip(ids.tolist(), values.tolist()))
-    return Sample(token, float(logprobs_V[token]), top)
+def draw(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of fp32 logits, with temperature, top-k and top-p."""
+    scaled_V = logits_V / params.temperature
+    if params.top_k:
+        kth = scaled_V.topk(min(params.top_k, scaled_V.numel())).values[-1]
+        scaled_V = scaled_V.masked_fill(scaled_V < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_V, order_V = scaled_V.sort(descending=True)
+        probs_V = sorted_V.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        drop_V = probs_V.cumsum(-1) - probs_V >= params.top_p
+        scaled_V = scaled_V.scatter(0, order_V, sorted_V.masked_fill(drop_V, float("-inf")))
+    return int(torch.multinomial(scaled_V.softmax(-1), 1, generator=generator))
+
+
+def sample_batch(
+    logits_NV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[Sample]:
+    """A token for each row: greedy rows share one argmax; the others draw with their own generator."""
+    greedy_N = logits_NV.argmax(-1).tolist()
+    wants_logprobs = any(p.logprobs is not None for p in params)
+    logprobs_NV = logits_NV.log_softmax(-1) if wants_logprobs else None
+    samples = []
+    for i, (p, generator) in enumerate(zip(params, generators)):
+        token = greedy_N[i] if p.temperature == 0 else draw(logits_NV[i], p, generator)
+        if p.logprobs is None:
+            samples.append(Sample(token))
+            continue
+        top = {}
+        if p.logprobs:
+            values, ids = logprobs_NV[i].topk(min(p.logprobs, logprobs_NV.shape[-1]))
+            top = dict(zip(ids.tolist(), values.tolist()))
+        samples.append(Sample(token, float(logprobs_NV[i, token]), top))
+    return samples
