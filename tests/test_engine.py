@@ -124,3 +124,15 @@ def test_bad_requests_fail_alone(tiny):
     assert "max_tokens must be positive" in outs[3].error
     assert "unknown sampling option(s) temprature" in outs[4].error
     assert "no tokenizer.json" in outs[5].error
+
+
+def test_sequence_parallel_serves_the_same_outputs():
+    from moeshard.bundled.arithmetic import held_out
+
+    prompts = [p.prompt for p in held_out(24)]
+    greedy = SamplingParams(temperature=0)
+    with LLM() as llm:
+        reference = [o.text for o in llm.generate(prompts, greedy)]
+    with LLM(tensor_parallel_size=2, enable_expert_parallel=True, enable_sequence_parallel=True, compile="aot_eager",
+             max_num_seqs=5) as llm:
+        assert [o.text for o in llm.generate(prompts, greedy)] == reference
