@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from moeshard.engine import worker
 from moeshard.engine.block_manager import BlockManager
 from moeshard.engine.sampling import Sample, SamplingParams, sample_batch
 from moeshard.engine.scheduler import Request, Scheduler
+from moeshard.lifecycle import memory
 from moeshard.models.model import check_layout, load_config
 from moeshard.models.runner import Chunk
 from moeshard.moe.context import check_method
@@ -89,6 +91,10 @@ class LLM:
         config = worker.WorkerConfig(
             str(self.directory), self.layout, dtype, self.num_blocks, block_size, moe_comm, backend
         )
+        self.released: set[str] = set()  # memory a sleep released and no wake has re-created
+        self.weights_lost = False  # sleep(level=2) dropped the weights; reload before generating
+        # Negative controls only: with the rebuild off, derived tensors stay as the wake left them.
+        self.rebuild_derived = os.environ.get("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD") != "1"
         self.ranks = LocalRanks() if self.layout.world_size == 1 else open_layout(self.layout)
         self.ranks.run(worker.start, config)
 
@@ -104,6 +110,46 @@ class LLM:
         """Run later steps with `method` (compiled graphs are reused: they serve every method)."""
         check_method(worker.policy_for(method)[0], self.layout)
         self.ranks.run(worker.set_method, method)
+
+    def sleep(self, level: int = 1) -> list[float]:
+        """Release memory for a colocated trainer (DESIGN.md §5): level 1 backs the weights up to the
+        host, level 2 drops them too; the KV cache never survives. Returns each rank's resident MiB."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}.")
+        if self.released:
+            raise RuntimeError("the engine is already asleep; call wake_up() first.")
+        rss = self.ranks.run(worker.sleep, level)
+        self.released, self.weights_lost = {"weights", "kv_cache"}, level == 2
+        return rss
+
+    def wake_up(self, tags: list[str] | None = None, poison: bool = False) -> list[float]:
+        """Re-create the memory `tags` name ("weights", "kv_cache"; default both). What is not
+        restored holds undefined contents; `poison` makes it garbage, so a stale read cannot hide.
+        Derived tensors are recomputed after the weights come back. Returns each rank's resident MiB."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tag(s) {sorted(unknown)}; known: weights, kv_cache.")
+        rss = self.ranks.run(worker.wake, tags, poison, self.rebuild_derived)
+        self.released -= set(tags)
+        return rss
+
+    def reload_weights(self) -> None:
+        """Read the weights from the model directory again (after sleep(level=2), or to undo updates)."""
+        if "weights" in self.released:
+            raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
+        self.ranks.run(worker.reload_weights, self.rebuild_derived)
+        self.weights_lost = False
+
+    def resident_mb(self) -> list[float]:
+        """Each rank's resident memory, in MiB."""
+        return self.ranks.run(memory.resident_mb)
+
+    def check_ready(self) -> None:
+        if self.released:
+            raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.released))} released); call wake_up().")
+        if self.weights_lost:
+            raise RuntimeError("the weights were dropped by sleep(level=2); call reload_weights() before generating.")
 
     def close(self) -> None:
         self.ranks.close()
@@ -153,6 +199,7 @@ class LLM:
 
         `max_concurrency`: at most this many requests in flight at once (default: max_num_seqs).
         """
+        self.check_ready()
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):

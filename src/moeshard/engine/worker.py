@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeshard.lifecycle import derived, memory
 from moeshard.models.model import load_model
 from moeshard.models.runner import Chunk, ModelRunner
 from moeshard.moe.config import CommMethod, SelectionPolicy
@@ -29,6 +30,16 @@ class WorkerConfig:
 
 
 _runner: ModelRunner | None = None
+_config: WorkerConfig | None = None
+_asleep: "Asleep | None" = None
+
+
+@dataclass
+class Asleep:
+    level: int
+    shapes: dict[int, torch.Size]  # of every released weight and derived tensor, by id
+    backup: list[torch.Tensor] | None  # level 1: the weights, on the host
+    released: set[str]  # "weights", "kv_cache": what a wake has not yet re-created
 
 
 def policy_for(method: str) -> tuple[CommMethod | None, SelectionPolicy]:
@@ -38,7 +49,8 @@ def policy_for(method: str) -> tuple[CommMethod | None, SelectionPolicy]:
 
 
 def start(config: WorkerConfig) -> None:
-    global _runner
+    global _runner, _config
+    _config = config
     set_layout(config.layout)
     model = load_model(config.model, getattr(torch, config.dtype))
     force, policy = policy_for(config.moe_comm)
@@ -56,5 +68,55 @@ def set_method(method: str) -> None:
 
 
 def stop() -> None:
-    global _runner
-    _runner = None
+    global _runner, _asleep
+    _runner = _asleep = None
+
+
+def weights() -> list[torch.Tensor]:
+    return list(_runner.model.parameters())  # each tensor once (a tied LM head is the embedding)
+
+
+def sleep(level: int) -> float:
+    """Release the KV cache, the derived tensors and the weights (level 1: backed up to the host
+    first). Returns this rank's resident memory afterwards, in MiB."""
+    global _asleep
+    tensors = weights()
+    backup = [t.detach().clone() for t in tensors] if level == 1 else None
+    shapes = memory.release(tensors + derived.registered_tensors())
+    _runner.release_kv_cache()
+    memory.return_memory_to_os()
+    _asleep = Asleep(level, shapes, backup, {"weights", "kv_cache"})
+    return memory.resident_mb()
+
+
+def wake(tags: list[str], poison: bool, rebuild_derived: bool = True) -> float:
+    """Re-create what `tags` name. Weights come back from the backup (level 1) or stay undefined
+    until new ones arrive (level 2); derived tensors are recomputed; the KV cache is new."""
+    global _asleep
+    if _asleep is None:
+        return memory.resident_mb()
+    if "weights" in tags and "weights" in _asleep.released:
+        tensors = weights()
+        memory.recreate(tensors + derived.registered_tensors(), _asleep.shapes, poison)
+        if _asleep.backup is not None:
+            for t, saved in zip(tensors, _asleep.backup, strict=True):
+                t.data.copy_(saved)
+            _asleep.backup = None
+        if rebuild_derived:
+            derived.rebuild()
+        _asleep.released.discard("weights")
+    if "kv_cache" in tags and "kv_cache" in _asleep.released:
+        _runner.allocate_kv_cache(poison)
+        _asleep.released.discard("kv_cache")
+    if not _asleep.released:
+        _asleep = None
+    return memory.resident_mb()
+
+
+def reload_weights(rebuild_derived: bool = True) -> None:
+    """Read the weights from the model directory again, into the existing tensors."""
+    fresh = load_model(_config.model, getattr(torch, _config.dtype))
+    for t, new in zip(weights(), fresh.parameters(), strict=True):
+        t.data = new.data
+    if rebuild_derived:
+        derived.rebuild()

@@ -9,12 +9,15 @@ group's rows: `tp_gather_rows` before a column-parallel block, a reduce-scatter 
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeshard.lifecycle import derived
 from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.config import RopeConfig
 from moeshard.moe.shared import swiglu
@@ -91,21 +94,30 @@ def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def rope_tables(rope: RopeConfig, max_positions: int, device: torch.device) -> "RopeTables":
+    inv_freq, scale = rope_inv_freq(rope)
+    freqs_PR = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb_PR = torch.cat([freqs_PR, freqs_PR], dim=-1)
+    return RopeTables((emb_PR.cos() * scale).to(device), (emb_PR.sin() * scale).to(device))
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    cos_PR: torch.Tensor
+    sin_PR: torch.Tensor
+
+
 class Rotary(nn.Module):
-    """cos/sin tables for every position, built once: derived tensors, not weights."""
+    """cos/sin tables for every position: derived tensors (registered), not weights."""
 
     def __init__(self, rope: RopeConfig, max_positions: int, device: torch.device):
         super().__init__()
         self.interleaved = rope.interleaved
-        inv_freq, scale = rope_inv_freq(rope)
-        freqs_PR = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb_PR = torch.cat([freqs_PR, freqs_PR], dim=-1)
-        self.register_buffer("cos_PR", (emb_PR.cos() * scale).to(device), persistent=False)
-        self.register_buffer("sin_PR", (emb_PR.sin() * scale).to(device), persistent=False)
+        derived.register(self, "tables", functools.partial(rope_tables, rope, max_positions, device))
 
     def forward(self, x_THR: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        cos = self.cos_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
-        sin = self.sin_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
+        cos = self.tables.cos_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
+        sin = self.tables.sin_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
         if self.interleaved:  # pairs (x0, x1), (x2, x3), …; the output lists evens, then odds
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half], sin[..., :half]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.graph import compile_for_serving
+from moeshard.lifecycle.memory import fill_garbage
 from moeshard.models.kv_cache import AttentionMetadata, allocate, attention_context
 from moeshard.models.model import CausalLM
 from moeshard.moe.config import CommMethod, SelectionPolicy
@@ -47,9 +48,8 @@ class ModelRunner:
         buckets: tuple[int, ...] = BUCKETS,
     ):
         self.model, self.block_size, self.policy, self.force = model, block_size, policy, force
-        device = model.parallel.device
-        caches = [allocate(spec, num_blocks, block_size, model.dtype, device) for spec in model.cache_specs()]
-        model.set_kv_caches(caches)
+        self.num_blocks = num_blocks
+        self.allocate_kv_cache()
         self.compiled = compile_for_serving(model, compile_backend) if compile_backend else None
         self.buckets = buckets
         self.tp, self.sp = model.parallel.layout.tp, model.parallel.layout.sp
@@ -96,6 +96,18 @@ class ModelRunner:
             return list(self.model.logits(hidden_TD[[end - 1 for end in ends]]))
         logits = self.model.logits(hidden_TD[: len(ids)])
         return [logits[start:end] for start, end in zip(meta.query_starts, ends)]
+
+    def allocate_kv_cache(self, poison: bool = False) -> None:
+        device, dtype = self.model.parallel.device, self.model.dtype
+        caches = [allocate(spec, self.num_blocks, self.block_size, dtype, device) for spec in self.model.cache_specs()]
+        if poison:
+            for cache in caches:
+                fill_garbage(cache.k_SGd)
+                fill_garbage(cache.v_SGe)
+        self.model.set_kv_caches(caches)
+
+    def release_kv_cache(self) -> None:
+        self.model.set_kv_caches(None)
 
     def set_method(self, force: CommMethod | None, policy: SelectionPolicy) -> None:
         """Change the method for later steps (a compiled graph serves every method)."""

@@ -8,17 +8,20 @@ combine   bring expert outputs back to their tokens and sum each token's K weigh
 finalize  undo prepare: reduce-scatter or TP all-gather, then drop the padding.
 
 A dispatcher is built once per layer and method; its expert maps are derived tensors (computed from
-the layout, kept outside the weights), built by `build_expert_maps`.
+the layout, kept outside the weights), built by `build_expert_maps` and registered in
+moeshard.lifecycle.derived.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from moeshard.lifecycle import derived
 from moeshard.moe.config import CommMethod
 from moeshard.moe.context import ForwardContext
 from moeshard.moe.experts import GroupedExperts
@@ -73,7 +76,7 @@ class TokenDispatcher(abc.ABC):
     def __init__(self, num_experts: int, parallel: ParallelState):
         self.num_experts = num_experts
         self.parallel = parallel
-        self.maps = build_expert_maps(num_experts, parallel)
+        derived.register(self, "maps", functools.partial(build_expert_maps, num_experts, parallel))
 
     @abc.abstractmethod
     def prepare(self, x_TD: torch.Tensor, topk_ids_TK, topk_weights_TK, ctx: ForwardContext) -> Prepared: ...
