@@ -1,21 +1,53 @@
-"""Sleep, wake and reload with poisoned memory: outputs equal a fresh engine's; with the derived-tensor
-rebuild off they do not (the second seed's bug class); released memory is really released."""
+"""Sleep, wake, weight updates and reload with poisoned memory: outputs equal a fresh engine's with the
+same weights; with the derived-tensor rebuild off they do not (the second seed's bug class); bad
+updates change nothing; released memory is really released."""
+
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moeshard import LLM, SamplingParams
-from moeshard.bundled.arithmetic import held_out
+from moeshard.bundled.arithmetic import MODEL_DIR, held_out
 
 PROMPTS = [p.prompt for p in held_out(48)]
 GREEDY = SamplingParams(temperature=0)
 CYCLES = 5
 
 
-@pytest.fixture(scope="module")
-def reference():
+def reference_texts():
     with LLM() as llm:
         return [o.text for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_texts()
+
+
+def perturbed(seed: int) -> dict[str, torch.Tensor]:
+    """The bundled weights, moved far enough (25% relative noise, bf16 as stored) that some answers change."""
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(MODEL_DIR / "model.safetensors")
+    return {n: (w.float() * (1 + 0.25 * torch.randn(w.shape, generator=g))).to(w.dtype) for n, w in weights.items()}
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory):
+    """CYCLES weight sets and what a fresh one-rank engine loaded from each generates."""
+    out = []
+    for k in range(CYCLES):
+        directory = tmp_path_factory.mktemp(f"update{k}")
+        for f in ("config.json", "tokenizer.json"):
+            shutil.copy(MODEL_DIR / f, directory / f)
+        weights = perturbed(k)
+        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        with LLM(str(directory)) as fresh:
+            out.append((weights, [o.text for o in fresh.generate(PROMPTS, GREEDY)]))
+    # Each cycle's weights answer differently, so an update that is not applied cannot pass.
+    assert all(texts_k != previous for (_, texts_k), previous in zip(out, [reference_texts()] + [t for _, t in out]))
+    return out
 
 
 def texts(llm):
@@ -23,38 +55,69 @@ def texts(llm):
     return [o.text for o in llm.generate(PROMPTS, GREEDY, max_concurrency=16)]
 
 
+def run_cycles(llm, reference, updates):
+    assert texts(llm) == reference
+    for weights, expected in updates:  # the RL loop: the trainer had the memory, new weights arrive
+        llm.sleep(level=2)
+        llm.wake_up(["weights"], poison=True)
+        llm.update_weights(weights.items())
+        llm.wake_up(["kv_cache"], poison=True)
+        assert texts(llm) == expected
+    for _ in range(CYCLES):
+        llm.sleep(level=1)
+        llm.wake_up(poison=True)
+        assert texts(llm) == updates[-1][1]
+    llm.sleep(level=2)
+    llm.wake_up(["weights"], poison=True)
+    llm.reload_weights()
+    llm.wake_up(["kv_cache"], poison=True)
+    assert texts(llm) == reference
+
+
 @pytest.mark.parametrize("compile", [False, "aot_eager"])
 @pytest.mark.parametrize("method", ["allgather", "alltoall", "mc2", "fused_mc2"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_sleep_wake_reload_equal_a_fresh_engine(reference, tp, method, compile):
+def test_sleep_wake_update_reload_equal_a_fresh_engine(reference, updates, tp, method, compile):
     with LLM(tensor_parallel_size=tp, data_parallel_size=2, enable_expert_parallel=True, moe_comm=method,
              compile=compile) as llm:
-        assert texts(llm) == reference
-        for _ in range(CYCLES):
-            llm.sleep(level=1)
-            llm.wake_up(poison=True)
-            assert texts(llm) == reference
-        for _ in range(2):
-            llm.sleep(level=2)
-            llm.wake_up(["weights"], poison=True)
-            llm.reload_weights()
-            llm.wake_up(["kv_cache"], poison=True)
-            assert texts(llm) == reference
+        run_cycles(llm, reference, updates)
 
 
-def test_negative_control_without_the_derived_rebuild(reference, monkeypatch):
-    """Poisoned expert maps and RoPE tables left as the wake made them: the engine must not
-    produce the reference (it fails loudly on garbage indices, or answers differently)."""
+def test_negative_control_without_the_derived_rebuild(reference, updates, monkeypatch):
+    """Poisoned expert maps and RoPE tables left as the wake made them: the same cycles must fail
+    (loudly, on garbage indices, or with different answers)."""
     monkeypatch.setenv("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD", "1")
     with LLM(data_parallel_size=2, enable_expert_parallel=True, moe_comm="alltoall") as llm:
-        assert texts(llm) == reference
-        llm.sleep(level=1)
-        llm.wake_up(poison=True)
-        try:
-            outputs = texts(llm)
-        except RuntimeError:
-            return
-        assert outputs != reference
+        with pytest.raises((AssertionError, RuntimeError)):
+            run_cycles(llm, reference, updates)
+
+
+def cut_short(items, after):
+    for i, item in enumerate(items):
+        if i == after:
+            raise ConnectionError("trainer went away")
+        yield item
+
+
+def test_bad_updates_are_refused_and_change_nothing(reference, updates):
+    weights = updates[0][0]
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    bad = {
+        "unknown name": (list(weights.items()) + [("model.layers.9.mlp.gate.weight", weights[name])], "not a weight"),
+        "wrong shape": ({**weights, name: weights[name][:-1]}.items(), "has shape"),
+        "wrong dtype": ({**weights, name: weights[name].float()}.items(), "torch.float32; the model's is torch.bfloat16"),
+        "stream cut short": (cut_short(list(weights.items()), 20), "stream failed after 20 tensors"),
+        "stream ends early": (list(weights.items())[:-3], "the update ended without"),
+    }
+    with LLM(data_parallel_size=2, enable_expert_parallel=True) as llm:
+        generation = llm.update_weights(perturbed(0).items())
+        before = texts(llm)
+        assert before == updates[0][1]
+        for case, (stream, message) in bad.items():
+            with pytest.raises(ValueError, match=message):
+                llm.update_weights(stream)
+            assert texts(llm) == before, case
+        assert llm.update_weights(weights.items()) == generation + 1  # refused updates did not count
 
 
 def test_lifecycle_errors():

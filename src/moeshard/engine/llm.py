@@ -21,7 +21,8 @@ from moeshard.engine.block_manager import BlockManager
 from moeshard.engine.sampling import Sample, SamplingParams, sample_batch
 from moeshard.engine.scheduler import Request, Scheduler
 from moeshard.lifecycle import memory
-from moeshard.models.model import check_layout, load_config
+from moeshard.models.checkpoint import Checkpoint
+from moeshard.models.model import check_layout, load_config, part_of, unused_by_design
 from moeshard.models.runner import Chunk
 from moeshard.moe.context import check_method
 from moeshard.parallel import Layout
@@ -36,6 +37,55 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-N token → logprob
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", or None on error
     error: str | None = None  # this request was refused; the others ran
+
+
+@dataclass(frozen=True)
+class WeightSchema:
+    """The weights a complete update must carry: checkpoint name → (full shape, dtype)."""
+
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    @classmethod
+    def of(cls, directory: Path, cfg) -> "WeightSchema":
+        ckpt = Checkpoint(directory)
+        names = [n for n in ckpt.handles if not unused_by_design(n, cfg)]
+        return cls({n: (ckpt.shape(n), ckpt.stored_dtype(n)) for n in names})
+
+    def check(self, named_tensors) -> dict[str | int, dict[str, torch.Tensor]]:
+        """The update grouped by model part, or a ValueError naming the first offending tensor."""
+        buckets: dict[str | int, dict[str, torch.Tensor]] = {}
+        stream, count = iter(named_tensors), 0
+        while True:
+            try:
+                name, tensor = next(stream)  # references only: nothing is copied here
+            except StopIteration:
+                break
+            except Exception as exc:  # the stream itself failed part-way
+                raise ValueError(f"the update stream failed after {count} tensors ({exc}); nothing was written.") from None
+            count += 1
+            if name not in self.tensors:
+                raise ValueError(f"update tensor {name!r} is not a weight of this model; nothing was written.")
+            shape, dtype = self.tensors[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"update entry {name!r} is a {type(tensor).__name__}, not a tensor.")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"update tensor {name!r} has shape {list(tensor.shape)}; the model's is {list(shape)}; "
+                    "nothing was written."
+                )
+            if tensor.dtype != dtype:
+                raise ValueError(f"update tensor {name!r} is {tensor.dtype}; the model's is {dtype}; nothing was written.")
+            part = buckets.setdefault(part_of(name), {})
+            if name in part:
+                raise ValueError(f"update tensor {name!r} appears twice; nothing was written.")
+            part[name] = tensor
+        missing = [n for n in self.tensors if n not in buckets.get(part_of(n), {})]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ValueError(
+                f"the update ended without {missing[0]!r}{more}: an update carries every weight; nothing was written."
+            )
+        return buckets
 
 
 class LocalRanks:
@@ -91,6 +141,7 @@ class LLM:
         config = worker.WorkerConfig(
             str(self.directory), self.layout, dtype, self.num_blocks, block_size, moe_comm, backend
         )
+        self.schema = WeightSchema.of(self.directory, cfg)
         self.released: set[str] = set()  # memory a sleep released and no wake has re-created
         self.weights_lost = False  # sleep(level=2) dropped the weights; reload before generating
         # Negative controls only: with the rebuild off, derived tensors stay as the wake left them.
@@ -144,6 +195,23 @@ class LLM:
     def resident_mb(self) -> list[float]:
         """Each rank's resident memory, in MiB."""
         return self.ranks.run(memory.resident_mb)
+
+    def update_weights(self, named_tensors) -> int:
+        """Take new weights: an iterable of (checkpoint name, full tensor) covering every weight.
+
+        Every name, shape and dtype is checked before anything is written; a refused update leaves
+        the old weights (and the generation) as they were. Then each part of the model (a layer, the
+        embedding, …) is written in turn, sharded as the loader shards it, so the extra memory is one
+        part. Derived tensors are rebuilt; returns the new generation.
+        """
+        if "weights" in self.released:
+            raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
+        buckets = self.schema.check(named_tensors)
+        for part, tensors in buckets.items():
+            self.ranks.run(worker.update_part, part, tensors)
+        generation = self.ranks.run(worker.rebuild_derived)[0] if self.rebuild_derived else None
+        self.weights_lost = False
+        return generation
 
     def check_ready(self) -> None:
         if self.released:

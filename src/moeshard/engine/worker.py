@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.lifecycle import derived, memory
+from moeshard.models.checkpoint import Checkpoint, TensorDict
 from moeshard.models.model import load_model
 from moeshard.models.runner import Chunk, ModelRunner
 from moeshard.moe.config import CommMethod, SelectionPolicy
@@ -114,9 +115,20 @@ def wake(tags: list[str], poison: bool, rebuild_derived: bool = True) -> float:
 
 
 def reload_weights(rebuild_derived: bool = True) -> None:
-    """Read the weights from the model directory again, into the existing tensors."""
-    fresh = load_model(_config.model, getattr(torch, _config.dtype))
-    for t, new in zip(weights(), fresh.parameters(), strict=True):
-        t.data = new.data
+    """Read the weights from the model directory again, a part at a time, into the existing tensors."""
+    model = _runner.model
+    source = Checkpoint(_config.model, model.dtype, model.parallel.device)
+    for part in model.parts():
+        model.load_part(source, part)
     if rebuild_derived:
         derived.rebuild()
+
+
+def update_part(part: str | int, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one part's new full tensors, sharded as the loader shards them (checked by the driver)."""
+    model = _runner.model
+    model.load_part(TensorDict(tensors, model.dtype, model.parallel.device), part)
+
+
+def rebuild_derived() -> int:
+    return derived.rebuild()

@@ -51,12 +51,62 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-class Checkpoint:
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+class TensorSource:
+    """Named full tensors, read a block at a time: every read checked against the full shape the
+    config implies, converted to the dtype asked for, and remembered (`read_names`)."""
+
+    def __init__(self, label: str, dtype: torch.dtype, device):
+        self.label, self.dtype, self.device = label, dtype, device
+        self.read_names: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def block(self, name: str, index: tuple) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read(
+        self, name: str, shape: tuple[int, ...], index: tuple = (), dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The block `index` of tensor `name`, whose full shape must be `shape`, in `dtype`."""
+        if name not in self:
+            raise CheckpointError(f"{self.label} has no tensor {name!r}.")
+        actual = self.shape(name)
+        if actual != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {list(actual)}, but the config implies {list(shape)}.")
+        self.read_names.add(name)
+        return self.block(name, index).to(device=self.device, dtype=dtype or self.dtype)
+
+
+class TensorDict(TensorSource):
+    """Tensors in memory (a weight update), read like a checkpoint."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"):
+        super().__init__("the update", dtype, device)
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def block(self, name: str, index: tuple) -> torch.Tensor:
+        return self.tensors[name][index] if index else self.tensors[name]
+
+
+class Checkpoint(TensorSource):
     """The tensors of a checkpoint directory, by name (headers only until a tensor is read)."""
 
     def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.directory = Path(directory)
-        self.dtype, self.device = dtype, device
+        super().__init__(f"checkpoint {self.directory.name}", dtype, device)
         self.handles: dict[str, object] = {}
         for path in safetensors_files(self.directory):
             try:
@@ -65,7 +115,6 @@ class Checkpoint:
                 raise CheckpointError(f"{path.name} is not a readable safetensors file (truncated?): {exc}.") from None
             for name in handle.keys():
                 self.handles[name] = handle
-        self.read_names: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
         return name in self.handles
@@ -73,18 +122,14 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[name].get_slice(name).get_shape())
 
-    def read(
-        self, name: str, shape: tuple[int, ...], index: tuple = (), dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """The block `index` of tensor `name`, whose full shape must be `shape`, in `dtype`."""
-        if name not in self.handles:
-            raise CheckpointError(f"checkpoint {self.directory.name} has no tensor {name!r}.")
-        actual = self.shape(name)
-        if actual != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {list(actual)}, but the config implies {list(shape)}.")
-        self.read_names.add(name)
-        block = self.handles[name].get_slice(name)[index] if index else self.handles[name].get_tensor(name)
-        return block.to(device=self.device, dtype=dtype or self.dtype)
+    def stored_dtype(self, name: str) -> torch.dtype:
+        stored = self.handles[name].get_slice(name).get_dtype()
+        if stored not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor {name!r} is stored as {stored}; moeshard reads F32, F16 and BF16.")
+        return SAFETENSORS_DTYPES[stored]
+
+    def block(self, name: str, index: tuple) -> torch.Tensor:
+        return self.handles[name].get_slice(name)[index] if index else self.handles[name].get_tensor(name)
 
     def finish(self, unused_ok: Callable[[str], bool] = lambda name: False, error: str | None = None) -> None:
         """Refuse tensors that no rank read, unless `unused_ok`; raise any rank's `error`.

@@ -19,7 +19,7 @@ from torch import nn
 
 from moeshard.models.archs import Architecture, parse_config
 from moeshard.models.attention import Attention, LatentAttention, check_heads
-from moeshard.models.checkpoint import Checkpoint, CheckpointError, read_config
+from moeshard.models.checkpoint import Checkpoint, CheckpointError, TensorSource, read_config
 from moeshard.models.config import LayerConfig, ModelConfig
 from moeshard.models.kv_cache import CacheSpec, KVCache
 from moeshard.models.layers import DenseMLP, RMSNorm, Rotary, TPComm, VocabParallelEmbedding, block, read_swiglu
@@ -119,20 +119,36 @@ class CausalLM(nn.Module):
     ):
         super().__init__()
         check_layout(cfg, parallel.layout)
-        self.cfg, self.parallel, self.dtype = cfg, parallel, dtype
-        name = f"model{next(_instances)}"
-        self.embed = VocabParallelEmbedding(ckpt, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel)
+        self.cfg, self.arch, self.parallel, self.dtype = cfg, arch, parallel, dtype
+        self.embed = self.build_part(ckpt, "embed")
         self.rotary = Rotary(cfg.rope, cfg.max_positions, parallel.device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(ckpt, arch, cfg, i, f"{name}.{i}", parallel, dtype) for i in range(len(cfg.layers))
-        )
-        self.norm = RMSNorm(ckpt.read("model.norm.weight", (cfg.hidden,)), cfg.rms_eps)
-        self.lm_head = (
-            self.embed
-            if cfg.tie_embeddings
-            else VocabParallelEmbedding(ckpt, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
-        )
+        self.layers = nn.ModuleList(self.build_part(ckpt, i) for i in range(len(cfg.layers)))
+        self.norm = self.build_part(ckpt, "norm")
+        self.lm_head = self.embed if cfg.tie_embeddings else self.build_part(ckpt, "lm_head")
         self.comm = TPComm(parallel)
+
+    def parts(self) -> list[str | int]:
+        """The model's pieces as the loader builds them: "embed", each layer's index, "norm", "lm_head"."""
+        return ["embed", *range(len(self.layers)), "norm"] + ([] if self.cfg.tie_embeddings else ["lm_head"])
+
+    def build_part(self, source: TensorSource, part: str | int) -> nn.Module:
+        cfg, parallel = self.cfg, self.parallel
+        if part == "embed":
+            return VocabParallelEmbedding(source, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel)
+        if part == "lm_head":
+            return VocabParallelEmbedding(source, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
+        if part == "norm":
+            return RMSNorm(source.read("model.norm.weight", (cfg.hidden,)), cfg.rms_eps)
+        # Layer names are unique per process: the attention op and the MoE op find layers by name.
+        return DecoderLayer(source, self.arch, cfg, part, f"model{next(_instances)}.{part}", parallel, self.dtype)
+
+    def load_part(self, source: TensorSource, part: str | int) -> None:
+        """Read `part` again from `source` (this rank's blocks, as at start-up), into the existing tensors:
+        the extra memory is one part."""
+        current = self.layers[part] if isinstance(part, int) else getattr(self, part)
+        fresh = self.build_part(source, part)
+        for mine, new in zip(current.parameters(), fresh.parameters(), strict=True):
+            mine.data.copy_(new)
 
     def forward(self, ids_T: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         """[T] token ids and positions (T a multiple of TP under SP) → final hidden rows [T, D]."""
@@ -168,6 +184,14 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> Cau
         error = str(exc)
     ckpt.finish(unused_ok=lambda name: unused_by_design(name, cfg), error=error)
     return model.eval()
+
+
+def part_of(name: str) -> str | int | None:
+    """The part (see CausalLM.parts) whose construction reads checkpoint tensor `name`."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer is not None:
+        return int(layer[1])
+    return {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}.get(name)
 
 
 def unused_by_design(name: str, cfg: ModelConfig) -> bool:

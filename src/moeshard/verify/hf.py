@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from moeshard.engine.block_manager import BlockManager
 from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.model import check_layout, load_config, load_model
-from moeshard.engine.block_manager import BlockManager
 from moeshard.models.runner import Chunk, ModelRunner
 from moeshard.moe.config import CommMethod, SelectionPolicy
 from moeshard.moe.context import check_method
