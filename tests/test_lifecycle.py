@@ -142,10 +142,9 @@ def test_lifecycle_errors():
 
 def test_level_2_releases_the_weights_memory(tmp_path):
     from moeshard.bench.e2e import larger_model
-    from moeshard.engine import worker
 
     with LLM(larger_model(str(tmp_path / "larger")), max_num_seqs=2) as llm:
-        weight_mb = sum(t.numel() * t.element_size() for t in worker.weights()) / 2**20  # one rank: in-process
+        weight_mb = sum(t.numel() * t.element_size() for t in llm.ranks.worker.weights()) / 2**20  # in-process
         awake = llm.resident_mb()[0]
         asleep = llm.sleep(level=2)[0]
         assert awake - asleep >= 0.9 * weight_mb, (awake, asleep, weight_mb)

@@ -20,7 +20,6 @@ from moeshard.engine import worker
 from moeshard.engine.block_manager import BlockManager
 from moeshard.engine.sampling import Sample, SamplingParams, sample_batch
 from moeshard.engine.scheduler import Request, Scheduler
-from moeshard.lifecycle import memory
 from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.model import check_layout, load_config, part_of, unused_by_design
 from moeshard.models.runner import Chunk
@@ -89,15 +88,32 @@ class WeightSchema:
 
 
 class LocalRanks:
-    """One rank: the worker runs in this process."""
+    """One rank: its worker lives in this process (and only this engine's)."""
 
     world_size = 1
 
-    def run(self, fn, *args):
-        return [fn(*args)]
+    def __init__(self, config: worker.WorkerConfig):
+        self.worker = worker.Worker(config)
 
-    def close(self):
-        worker.stop()
+    def call(self, method: str, *args) -> list:
+        return [getattr(self.worker, method)(*args)]
+
+    def close(self) -> None:
+        self.worker = None
+
+
+class SpawnedRanks:
+    """A rank pool (or torchrun's ranks), each holding one worker."""
+
+    def __init__(self, layout: Layout, config: worker.WorkerConfig):
+        self.pool = open_layout(layout)
+        self.pool.run(worker.start, config)
+
+    def call(self, method: str, *args) -> list:
+        return self.pool.run(worker.call, method, *args)
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def read_eos(directory: Path) -> set[int]:
@@ -146,8 +162,7 @@ class LLM:
         self.weights_lost = False  # sleep(level=2) dropped the weights; reload before generating
         # Negative controls only: with the rebuild off, derived tensors stay as the wake left them.
         self.rebuild_derived = os.environ.get("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD") != "1"
-        self.ranks = LocalRanks() if self.layout.world_size == 1 else open_layout(self.layout)
-        self.ranks.run(worker.start, config)
+        self.ranks = LocalRanks(config) if self.layout.world_size == 1 else SpawnedRanks(self.layout, config)
 
     def load_tokenizer(self):
         path = self.directory / "tokenizer.json"
@@ -160,7 +175,7 @@ class LLM:
     def set_moe_comm(self, method: str) -> None:
         """Run later steps with `method` (compiled graphs are reused: they serve every method)."""
         check_method(worker.policy_for(method)[0], self.layout)
-        self.ranks.run(worker.set_method, method)
+        self.ranks.call("set_method", method)
 
     def sleep(self, level: int = 1) -> list[float]:
         """Release memory for a colocated trainer (DESIGN.md §5): level 1 backs the weights up to the
@@ -169,7 +184,7 @@ class LLM:
             raise ValueError(f"sleep level must be 1 or 2, got {level}.")
         if self.released:
             raise RuntimeError("the engine is already asleep; call wake_up() first.")
-        rss = self.ranks.run(worker.sleep, level)
+        rss = self.ranks.call("sleep", level)
         self.released, self.weights_lost = {"weights", "kv_cache"}, level == 2
         return rss
 
@@ -181,7 +196,7 @@ class LLM:
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(f"unknown wake_up tag(s) {sorted(unknown)}; known: weights, kv_cache.")
-        rss = self.ranks.run(worker.wake, tags, poison, self.rebuild_derived)
+        rss = self.ranks.call("wake", tags, poison, self.rebuild_derived)
         self.released -= set(tags)
         return rss
 
@@ -189,12 +204,12 @@ class LLM:
         """Read the weights from the model directory again (after sleep(level=2), or to undo updates)."""
         if "weights" in self.released:
             raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
-        self.ranks.run(worker.reload_weights, self.rebuild_derived)
+        self.ranks.call("reload_weights", self.rebuild_derived)
         self.weights_lost = False
 
     def resident_mb(self) -> list[float]:
         """Each rank's resident memory, in MiB."""
-        return self.ranks.run(memory.resident_mb)
+        return self.ranks.call("resident_mb")
 
     def update_weights(self, named_tensors) -> int:
         """Take new weights: an iterable of (checkpoint name, full tensor) covering every weight.
@@ -208,8 +223,8 @@ class LLM:
             raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
         buckets = self.schema.check(named_tensors)
         for part, tensors in buckets.items():
-            self.ranks.run(worker.update_part, part, tensors)
-        generation = self.ranks.run(worker.rebuild_derived)[0] if self.rebuild_derived else None
+            self.ranks.call("update_part", part, tensors)
+        generation = self.ranks.call("rebuild_derived")[0] if self.rebuild_derived else None
         self.weights_lost = False
         return generation
 
@@ -306,7 +321,7 @@ class LLM:
             [Chunk(r.tokens[r.num_computed : r.num_computed + n], r.num_computed, list(r.blocks)) for r, n in plan]
             for plan in plans
         ]
-        per_rank = self.ranks.run(worker.step, chunks)
+        per_rank = self.ranks.call("step", chunks)
         for d, (group, plan) in enumerate(zip(groups, plans)):
             for (request, n) in plan:
                 request.num_computed += n

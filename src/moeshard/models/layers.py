@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -94,30 +93,29 @@ def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def rope_tables(rope: RopeConfig, max_positions: int, device: torch.device) -> "RopeTables":
+def rope_table(rope: RopeConfig, max_positions: int, device: torch.device, fn) -> torch.Tensor:
+    """fn (torch.cos or torch.sin) of every position's angles, scaled: [max_positions, Dr]."""
     inv_freq, scale = rope_inv_freq(rope)
     freqs_PR = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb_PR = torch.cat([freqs_PR, freqs_PR], dim=-1)
-    return RopeTables((emb_PR.cos() * scale).to(device), (emb_PR.sin() * scale).to(device))
-
-
-@dataclass(frozen=True)
-class RopeTables:
-    cos_PR: torch.Tensor
-    sin_PR: torch.Tensor
+    return (fn(torch.cat([freqs_PR, freqs_PR], dim=-1)) * scale).to(device)
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position: derived tensors (registered), not weights."""
+    """cos/sin tables for every position: derived tensors (registered), not weights.
+
+    Kept as module buffers: a compiled graph treats buffers' shapes as static; a plain tensor
+    attribute's dims would be dynamic, and Dynamo could unify one with the batch size."""
 
     def __init__(self, rope: RopeConfig, max_positions: int, device: torch.device):
         super().__init__()
         self.interleaved = rope.interleaved
-        derived.register(self, "tables", functools.partial(rope_tables, rope, max_positions, device))
+        for name, fn in (("cos_PR", torch.cos), ("sin_PR", torch.sin)):
+            self.register_buffer(name, None, persistent=False)
+            derived.register(self, name, functools.partial(rope_table, rope, max_positions, device, fn))
 
     def forward(self, x_THR: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        cos = self.tables.cos_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
-        sin = self.tables.sin_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
+        cos = self.cos_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
+        sin = self.sin_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
         if self.interleaved:  # pairs (x0, x1), (x2, x3), …; the output lists evens, then odds
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half], sin[..., :half]
