@@ -2,7 +2,10 @@
 same weights; with the derived-tensor rebuild off they do not (the second seed's bug class); bad
 updates change nothing; released memory is really released."""
 
+import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,8 +81,9 @@ def run_cycles(llm, reference, updates):
 @pytest.mark.parametrize("method", ["allgather", "alltoall", "mc2", "fused_mc2"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sleep_wake_update_reload_equal_a_fresh_engine(reference, updates, tp, method, compile):
-    with LLM(tensor_parallel_size=tp, data_parallel_size=2, enable_expert_parallel=True, moe_comm=method,
-             compile=compile) as llm:
+    with LLM(
+        tensor_parallel_size=tp, data_parallel_size=2, enable_expert_parallel=True, moe_comm=method, compile=compile
+    ) as llm:
         run_cycles(llm, reference, updates)
 
 
@@ -105,7 +109,10 @@ def test_bad_updates_are_refused_and_change_nothing(reference, updates):
     bad = {
         "unknown name": (list(weights.items()) + [("model.layers.9.mlp.gate.weight", weights[name])], "not a weight"),
         "wrong shape": ({**weights, name: weights[name][:-1]}.items(), "has shape"),
-        "wrong dtype": ({**weights, name: weights[name].float()}.items(), "torch.float32; the model's is torch.bfloat16"),
+        "wrong dtype": (
+            {**weights, name: weights[name].float()}.items(),
+            "torch.float32; the model's is torch.bfloat16",
+        ),
         "stream cut short": (cut_short(list(weights.items()), 20), "stream failed after 20 tensors"),
         "stream ends early": (list(weights.items())[:-3], "the update ended without"),
     }
@@ -152,3 +159,19 @@ def test_level_2_releases_the_weights_memory(tmp_path):
         llm.reload_weights()
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
         assert len(out.token_ids) == 4
+
+
+def test_rl_demo(tmp_path):
+    out = tmp_path / "rl.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moeshard", "rl-demo", "--steps", "3", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(set(r) == {"step", "max_abs_dlogprob", "rss_awake_mb", "rss_asleep_mb"} for r in rows)
+    assert all(r["max_abs_dlogprob"] <= 1e-4 for r in rows)
+    assert all(r["rss_asleep_mb"] < r["rss_awake_mb"] for r in rows)

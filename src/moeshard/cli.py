@@ -174,6 +174,12 @@ def bench_e2e(args: argparse.Namespace) -> int:
     return run_bench_e2e(args)
 
 
+def rl_demo(args: argparse.Namespace) -> int:
+    from moeshard.lifecycle.rl_demo import rl_demo_command
+
+    return rl_demo_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeshard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -229,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.set_defaults(run=generate)
+
+    rl = commands.add_parser("rl-demo", help="a trainer and the engine colocated: sleep, update over a pipe, generate")
+    rl.add_argument("--steps", type=int, default=5)
+    rl.add_argument("--layout", default="1x2-ep", help="TPxDP[-ep][-sp]")
+    rl.add_argument("--json", metavar="PATH")
+    rl.set_defaults(run=rl_demo)
 
     tiny = commands.add_parser("tiny", help="write a tiny random checkpoint of a supported architecture")
     from moeshard.verify.tiny import VARIANTS

@@ -60,7 +60,9 @@ class WeightSchema:
             except StopIteration:
                 break
             except Exception as exc:  # the stream itself failed part-way
-                raise ValueError(f"the update stream failed after {count} tensors ({exc}); nothing was written.") from None
+                raise ValueError(
+                    f"the update stream failed after {count} tensors ({exc}); nothing was written."
+                ) from None
             count += 1
             if name not in self.tensors:
                 raise ValueError(f"update tensor {name!r} is not a weight of this model; nothing was written.")
@@ -73,7 +75,9 @@ class WeightSchema:
                     "nothing was written."
                 )
             if tensor.dtype != dtype:
-                raise ValueError(f"update tensor {name!r} is {tensor.dtype}; the model's is {dtype}; nothing was written.")
+                raise ValueError(
+                    f"update tensor {name!r} is {tensor.dtype}; the model's is {dtype}; nothing was written."
+                )
             part = buckets.setdefault(part_of(name), {})
             if name in part:
                 raise ValueError(f"update tensor {name!r} appears twice; nothing was written.")
@@ -230,7 +234,9 @@ class LLM:
 
     def check_ready(self) -> None:
         if self.released:
-            raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.released))} released); call wake_up().")
+            raise RuntimeError(
+                f"the engine is asleep ({' and '.join(sorted(self.released))} released); call wake_up()."
+            )
         if self.weights_lost:
             raise RuntimeError("the weights were dropped by sleep(level=2); call reload_weights() before generating.")
 
@@ -323,7 +329,7 @@ class LLM:
         ]
         per_rank = self.ranks.call("step", chunks)
         for d, (group, plan) in enumerate(zip(groups, plans)):
-            for (request, n) in plan:
+            for request, n in plan:
                 request.num_computed += n
             ready = [i for i, (request, _) in enumerate(plan) if request.num_computed == request.num_tokens]
             if not ready:

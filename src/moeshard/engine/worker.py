@@ -17,6 +17,7 @@ from moeshard.models.checkpoint import Checkpoint, TensorDict
 from moeshard.models.model import load_model
 from moeshard.models.runner import Chunk, ModelRunner
 from moeshard.moe.config import CommMethod, SelectionPolicy
+from moeshard.moe.layer import MoELayer
 from moeshard.parallel import Layout, set_layout
 
 
@@ -69,6 +70,16 @@ class Worker:
     def weights(self) -> list[torch.Tensor]:
         return list(self.model.parameters())  # each tensor once (a tied LM head is the embedding)
 
+    def derived_owners(self) -> set[int]:
+        """This model's registered owners: its modules and its MoE layers' dispatchers (another
+        engine in the same process keeps its own)."""
+        modules = list(self.model.modules())
+        dispatchers = [d for m in modules if isinstance(m, MoELayer) for d in m.dispatchers.values()]
+        return {id(o) for o in modules + dispatchers}
+
+    def derived_tensors(self) -> list[torch.Tensor]:
+        return derived.registered_tensors(self.derived_owners())
+
     def resident_mb(self) -> float:
         return memory.resident_mb()
 
@@ -77,7 +88,7 @@ class Worker:
         host first). Returns this rank's resident memory afterwards, in MiB."""
         tensors = self.weights()
         backup = [t.detach().clone() for t in tensors] if level == 1 else None
-        shapes = memory.release(tensors + derived.registered_tensors())
+        shapes = memory.release(tensors + self.derived_tensors())
         self.runner.release_kv_cache()
         memory.return_memory_to_os()
         self.asleep = Asleep(level, shapes, backup, {"weights", "kv_cache"})
@@ -91,13 +102,13 @@ class Worker:
             return memory.resident_mb()
         if "weights" in tags and "weights" in asleep.released:
             tensors = self.weights()
-            memory.recreate(tensors + derived.registered_tensors(), asleep.shapes, poison)
+            memory.recreate(tensors + self.derived_tensors(), asleep.shapes, poison)
             if asleep.backup is not None:
                 for t, saved in zip(tensors, asleep.backup, strict=True):
                     t.data.copy_(saved)
                 asleep.backup = None
             if rebuild_derived:
-                derived.rebuild()
+                self.rebuild_derived()
             asleep.released.discard("weights")
         if "kv_cache" in tags and "kv_cache" in asleep.released:
             self.runner.allocate_kv_cache(poison)
@@ -112,14 +123,14 @@ class Worker:
         for part in self.model.parts():
             self.model.load_part(source, part)
         if rebuild_derived:
-            derived.rebuild()
+            self.rebuild_derived()
 
     def update_part(self, part: str | int, tensors: dict[str, torch.Tensor]) -> None:
         """Write one part's new full tensors, sharded as the loader shards them (checked by the driver)."""
         self.model.load_part(TensorDict(tensors, self.model.dtype, self.model.parallel.device), part)
 
     def rebuild_derived(self) -> int:
-        return derived.rebuild()
+        return derived.rebuild(self.derived_owners())
 
 
 _worker: Worker | None = None  # a spawned rank's

@@ -46,14 +46,23 @@ def tensors_of(value: object) -> list[torch.Tensor]:
     return []
 
 
-def registered_tensors() -> list[torch.Tensor]:
-    return [t for owner, attr, _ in live() for t in tensors_of(getattr(owner, attr))]
+def registered_tensors(owners: set[int] | None = None) -> list[torch.Tensor]:
+    """The tensors of every entry (or only of entries whose owner's id is in `owners`)."""
+    return [
+        t
+        for owner, attr, _ in live()
+        if owners is None or id(owner) in owners
+        for t in tensors_of(getattr(owner, attr))
+    ]
 
 
-def rebuild() -> int:
-    """Recompute every registered tensor in place (same tensor objects, fresh storage)."""
+def rebuild(owners: set[int] | None = None) -> int:
+    """Recompute registered tensors in place (same tensor objects, fresh storage): every entry, or
+    those whose owner's id is in `owners`. Returns the new generation."""
     global generation
     for owner, attr, compute in live():
+        if owners is not None and id(owner) not in owners:
+            continue
         for current, fresh in zip(tensors_of(getattr(owner, attr)), tensors_of(compute()), strict=True):
             current.data = fresh
     generation += 1
