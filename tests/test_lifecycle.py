@@ -70,11 +70,12 @@ def run_cycles(llm, reference, updates):
         llm.sleep(level=1)
         llm.wake_up(poison=True)
         assert texts(llm) == updates[-1][1]
-    llm.sleep(level=2)
-    llm.wake_up(["weights"], poison=True)
-    llm.reload_weights()
-    llm.wake_up(["kv_cache"], poison=True)
-    assert texts(llm) == reference
+    for _ in range(CYCLES):
+        llm.sleep(level=2)
+        llm.wake_up(["weights"], poison=True)
+        llm.reload_weights()
+        llm.wake_up(["kv_cache"], poison=True)
+        assert texts(llm) == reference
 
 
 @pytest.mark.parametrize("compile", [False, "aot_eager"])
