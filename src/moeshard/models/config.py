@@ -78,7 +78,3 @@ class ModelConfig:
     layers: tuple[LayerConfig, ...]
     max_positions: int
     tie_embeddings: bool = False
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if layer.moe is not None]

@@ -33,9 +33,8 @@ class CacheSpec:
 
 @dataclass
 class KVCache:
-    k_SGd: torch.Tensor
+    k_SGd: torch.Tensor  # S = num_blocks × block_size slots
     v_SGe: torch.Tensor
-    block_size: int
 
 
 def allocate(spec: CacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> KVCache:
@@ -43,7 +42,6 @@ def allocate(spec: CacheSpec, num_blocks: int, block_size: int, dtype: torch.dty
     return KVCache(
         torch.zeros(slots, spec.kv_heads, spec.k_dim, dtype=dtype, device=device),
         torch.zeros(slots, spec.kv_heads, spec.v_dim, dtype=dtype, device=device),
-        block_size,
     )
 
 
