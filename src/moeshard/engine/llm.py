@@ -23,7 +23,7 @@ from moeshard.engine.scheduler import Request, Scheduler
 from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.model import check_layout, load_config, part_of, unused_by_design
 from moeshard.models.runner import Chunk
-from moeshard.moe.context import check_method
+from moeshard.moe.context import check_method, method_policy
 from moeshard.parallel import Layout
 from moeshard.parallel.launch import open_layout
 
@@ -149,7 +149,7 @@ class LLM:
         cfg, _ = load_config(self.directory)
         self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel)
         check_layout(cfg, self.layout)
-        check_method(worker.policy_for(moe_comm)[0], self.layout)  # fails here, before any rank starts
+        check_method(method_policy(moe_comm)[0], self.layout)  # fails here, before any rank starts
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
         self.max_num_seqs, self.token_budget, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
         self.num_blocks = num_kv_blocks or -(-max_num_seqs * self.max_model_len // block_size)
@@ -178,7 +178,7 @@ class LLM:
 
     def set_moe_comm(self, method: str) -> None:
         """Run later steps with `method` (compiled graphs are reused: they serve every method)."""
-        check_method(worker.policy_for(method)[0], self.layout)
+        check_method(method_policy(method)[0], self.layout)
         self.ranks.call("set_method", method)
 
     def sleep(self, level: int = 1) -> list[float]:

@@ -16,7 +16,7 @@ from moeshard.lifecycle import derived, memory
 from moeshard.models.checkpoint import Checkpoint, TensorDict
 from moeshard.models.model import load_model
 from moeshard.models.runner import Chunk, ModelRunner
-from moeshard.moe.config import CommMethod, SelectionPolicy
+from moeshard.moe.context import method_policy
 from moeshard.moe.layer import MoELayer
 from moeshard.parallel import Layout, set_layout
 
@@ -40,18 +40,12 @@ class Asleep:
     released: set[str]  # "weights", "kv_cache": what a wake has not yet re-created
 
 
-def policy_for(method: str) -> tuple[CommMethod | None, SelectionPolicy]:
-    force = CommMethod.parse(method)
-    # A forced method runs at every batch size: its capacity is not the limit.
-    return force, SelectionPolicy() if force is None else SelectionPolicy(mc2_capacity=1 << 20)
-
-
 class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
         set_layout(config.layout)
         model = load_model(config.model, getattr(torch, config.dtype))
-        force, policy = policy_for(config.moe_comm)
+        force, policy = method_policy(config.moe_comm)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, policy, force, config.compile_backend)
         self.asleep: Asleep | None = None
 
@@ -65,7 +59,7 @@ class Worker:
         return logits if parallel.tp_rank == 0 else None
 
     def set_method(self, method: str) -> None:
-        self.runner.set_method(*policy_for(method))
+        self.runner.set_method(*method_policy(method))
 
     def weights(self) -> list[torch.Tensor]:
         return list(self.model.parameters())  # each tensor once (a tied LM head is the embedding)

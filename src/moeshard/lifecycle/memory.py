@@ -20,7 +20,6 @@ def release(tensors: list[torch.Tensor]) -> dict[int, torch.Size]:
     for t in tensors:
         shapes[id(t)] = t.shape
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    return_memory_to_os()
     return shapes
 
 

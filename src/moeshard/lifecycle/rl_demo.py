@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from safetensors.torch import load, load_file, save, save_file
 
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
 from moeshard.engine import LLM, SamplingParams
+from moeshard.models.model import part_of
 from moeshard.parallel import Layout
 
 END = b"END"  # closes one update
@@ -40,11 +40,6 @@ class DemoStep:
     rss_asleep_mb: float
 
 
-def part_key(name: str) -> str:
-    layer = re.match(r"model\.layers\.(\d+)\.", name)
-    return f"layer{layer[1]}" if layer else name
-
-
 def trainer(conn, model_dir: str, steps: int, seed: int) -> None:
     """Hold the weights; per step, perturb them and send them a part per message."""
     weights = load_file(f"{model_dir}/model.safetensors")
@@ -55,9 +50,9 @@ def trainer(conn, model_dir: str, steps: int, seed: int) -> None:
         weights = {
             n: (w.float() * (1 + 0.1 * torch.randn(w.shape, generator=g))).to(w.dtype) for n, w in weights.items()
         }
-        parts: dict[str, dict[str, torch.Tensor]] = {}
+        parts: dict[str | int | None, dict[str, torch.Tensor]] = {}
         for name, w in weights.items():
-            parts.setdefault(part_key(name), {})[name] = w
+            parts.setdefault(part_of(name), {})[name] = w
         for part in parts.values():
             conn.send_bytes(save(part))
         conn.send_bytes(END)

@@ -22,6 +22,13 @@ class ForwardContext:
     tokens_per_rank: tuple[int, ...]
 
 
+def method_policy(text: str) -> tuple[CommMethod | None, SelectionPolicy]:
+    """A method name ("auto" or one method) as (forced method, policy). A forced method runs at every
+    batch size: MC2's capacity is not its limit."""
+    force = CommMethod.parse(text)
+    return force, SelectionPolicy() if force is None else SelectionPolicy(mc2_capacity=1 << 20)
+
+
 def check_method(force: CommMethod | None, layout: Layout) -> None:
     """Refuse forcing a method the layout cannot run (before any rank starts, where possible)."""
     if force is not None and force.needs_ep and not layout.ep and layout.world_size > 1:

@@ -18,8 +18,8 @@ from moeshard.engine.block_manager import BlockManager
 from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.model import check_layout, load_config, load_model
 from moeshard.models.runner import Chunk, ModelRunner
-from moeshard.moe.config import CommMethod, SelectionPolicy
-from moeshard.moe.context import check_method
+from moeshard.moe.config import CommMethod
+from moeshard.moe.context import check_method, method_policy
 from moeshard.parallel import Layout, set_layout
 from moeshard.parallel.launch import open_layout
 
@@ -61,8 +61,7 @@ def rank_run(request: Request) -> dict[int, tuple[list[torch.Tensor], list[int]]
     mine = list(range(parallel.dp_rank, len(request.prompt_lengths), request.layout.dp))
     prompts = [prompts_for(request, cfg.vocab_size)[i] for i in mine]
     model = load_model(request.model)
-    force = CommMethod.parse(request.method)
-    policy = SelectionPolicy() if force is None else SelectionPolicy(mc2_capacity=1 << 20)
+    force, policy = method_policy(request.method)
     num_blocks = sum(-(-(len(p) + request.steps) // BLOCK_SIZE) for p in prompts)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(parallel.rank)).tolist()
     blocks = BlockManager(num_blocks, BLOCK_SIZE, order)
