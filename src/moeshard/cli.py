@@ -175,7 +175,7 @@ def bench_e2e(args: argparse.Namespace) -> int:
 
 
 def rl_demo(args: argparse.Namespace) -> int:
-    from moeshard.lifecycle.rl_demo import rl_demo_command
+    from moeshard.demos.rl_demo import rl_demo_command
 
     return rl_demo_command(args)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.lifecycle import derived, memory
+from moeshard.runtime import derived, memory
 from moeshard.models.checkpoint import Checkpoint, TensorDict
 from moeshard.models.model import load_model
 from moeshard.models.runner import Chunk, ModelRunner

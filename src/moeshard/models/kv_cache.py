@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.graph import serving_op
+from moeshard.runtime.graph import serving_op
 
 
 @dataclass(frozen=True)

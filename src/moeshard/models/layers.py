@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeshard.lifecycle import derived
+from moeshard.runtime import derived
 from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.config import RopeConfig
-from moeshard.moe.shared import swiglu
+from moeshard.moe.functional import swiglu
 from moeshard.parallel import ops
 from moeshard.parallel.state import ParallelState
 

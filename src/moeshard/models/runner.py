@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.graph import compile_for_serving
-from moeshard.lifecycle.memory import fill_garbage
+from moeshard.runtime.graph import compile_for_serving
+from moeshard.runtime.memory import fill_garbage
 from moeshard.models.kv_cache import AttentionMetadata, allocate, attention_context
 from moeshard.models.model import CausalLM
 from moeshard.moe.config import CommMethod, SelectionPolicy

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moeshard.graph import serving_op
+from moeshard.runtime.graph import serving_op
 from moeshard.moe.config import CommMethod, MoEConfig
 from moeshard.moe.context import get_forward_context
 from moeshard.moe.dispatch import DISPATCHERS

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.graph import serving_op
+from moeshard.runtime.graph import serving_op
 from moeshard.moe.config import CommMethod, SharedLayout
 from moeshard.moe.context import get_forward_context
 from moeshard.parallel import state

@@ -10,23 +10,13 @@ slices are all-gathered, so the output is complete (under SP the rank's slice al
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeshard.moe.config import MoEConfig, SharedLayout
+from moeshard.moe.functional import pad_rows, swiglu
 from moeshard.moe.weights import MoEWeights
 from moeshard.parallel import ops
 from moeshard.parallel.state import ParallelState
-
-
-def swiglu(x_TD: torch.Tensor, gate_up_FD: torch.Tensor, down_DI: torch.Tensor) -> torch.Tensor:
-    """`down(silu(gate(x)) * up(x))`, weights in [out, in] layout, gate rows before up rows."""
-    gate_TI, up_TI = F.linear(x_TD, gate_up_FD).chunk(2, dim=-1)
-    return F.linear(F.silu(gate_TI) * up_TI, down_DI)
-
-
-def pad_rows(x_TD: torch.Tensor, rows: int) -> torch.Tensor:
-    return F.pad(x_TD, (0, 0, 0, rows - x_TD.shape[0]))
 
 
 class SharedExperts(nn.Module):

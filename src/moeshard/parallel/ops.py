@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.graph import serving_op
+from moeshard.runtime.graph import serving_op
 from moeshard.parallel import state
 
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moeshard.graph import compile_for_serving
+from moeshard.runtime.graph import compile_for_serving
 from moeshard.moe import (
     CommMethod,
     MoEConfig,

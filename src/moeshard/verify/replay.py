@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.graph import compile_for_serving
+from moeshard.runtime.graph import compile_for_serving
 from moeshard.moe import CommMethod, MoELayer
 from moeshard.verify.layer import Group, build, case_error
 from moeshard.verify.naive import NaiveMoELayer

@@ -9,7 +9,7 @@ finalize  undo prepare: reduce-scatter or TP all-gather, then drop the padding.
 
 A dispatcher is built once per layer and method; its expert maps are derived tensors (computed from
 the layout, kept outside the weights), built by `build_expert_maps` and registered in
-moeshard.lifecycle.derived.
+moeshard.runtime.derived.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from moeshard.lifecycle import derived
+from moeshard.runtime import derived
 from moeshard.moe.config import CommMethod
 from moeshard.moe.context import ForwardContext
 from moeshard.moe.experts import GroupedExperts
-from moeshard.moe.shared import pad_rows
+from moeshard.moe.functional import pad_rows
 from moeshard.parallel import state
 from moeshard.parallel.state import ParallelState
 

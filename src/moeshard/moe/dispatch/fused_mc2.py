@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.graph import serving_op
+from moeshard.runtime.graph import serving_op
 from moeshard.moe.config import CommMethod
 from moeshard.moe.dispatch.base import sum_over_topk, unsort
 from moeshard.moe.dispatch.mc2 import MC2Dispatcher, mc2_slots
