@@ -7,7 +7,8 @@ import transformers
 
 from moeshard import LLM, SamplingParams
 from moeshard.engine.block_manager import BlockManager
-from moeshard.engine.scheduler import Request, Scheduler
+from moeshard.engine.sampling import Sample
+from moeshard.engine.scheduler import Request, Scheduler, StopRules
 from moeshard.verify.tiny import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -32,8 +33,15 @@ def hf_greedy(model_dir, prompt_list, max_new_tokens=10):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for p in prompt_list:
+        ids_1N = torch.tensor([p])
+        # With a pad token and no mask transformers would mask every prompt token equal to it.
         ids = model.generate(
-            torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            ids_1N,
+            attention_mask=torch.ones_like(ids_1N),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
         out.append(ids[0, len(p) :].tolist())
     return out
@@ -64,7 +72,7 @@ def test_scheduler_chunks_and_preempts():
     """Four requests, a 6-token budget, blocks for ~two: prefills are chunked, decodes run beside
     them, the newest request is preempted and later recomputed."""
     blocks = BlockManager(num_blocks=5, block_size=4)
-    sched = Scheduler(blocks, max_num_seqs=4, token_budget=6)
+    sched = Scheduler(blocks, max_num_seqs=4, token_budget=6, rules=StopRules(frozenset(), 64, str))
     reqs = [Request(i, list(range(n)), SamplingParams(max_tokens=8)) for i, n in enumerate((9, 3, 4, 2))]
     for r in reqs:
         sched.add(r)
@@ -73,15 +81,10 @@ def test_scheduler_chunks_and_preempts():
         plan = sched.schedule()
         if not plan:
             break
-        kinds = {r.num_computed >= len(r.prompt_ids) for r, _ in plan}
+        kinds = {c.request.num_computed >= len(c.request.prompt_ids) for c in plan}
         mixed |= kinds == {True, False}
-        assert sum(n for _, n in plan) <= 6
-        for r, n in plan:
-            r.num_computed += n
-            if r.num_computed == r.num_tokens:
-                r.output_ids.append(0)
-                if len(r.output_ids) == r.params.max_tokens:
-                    sched.finish(r, "length")
+        assert sum(c.num_tokens for c in plan) <= 6
+        sched.postprocess(plan, [Sample(0) for c in plan if c.samples])
         preempted |= any(r.preemptions for r in reqs)
         assert blocks.num_free + sum(len(r.blocks) for r in sched.running) == 5
     assert not sched.has_work and mixed and preempted

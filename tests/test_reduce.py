@@ -1,4 +1,4 @@
-"""The reduction table (DESIGN.md §3), checked on a scalar model of every rank's partial sums.
+"""The reduction table (docs/DESIGN.md §3), checked on a scalar model of every rank's partial sums.
 
 Each TP rank holds a partial routed value r_t (or the complete R = Σ r_t when the method already
 reduced it) and a shared value (partial s_t in TP layout, complete S in DP layout). Walking the
@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from moeshard.moe.config import CommMethod, SharedLayout
+from moeshard.moe.config import SharedLayout
+from moeshard.moe.dispatch import DISPATCHERS, CommMethod
 from moeshard.moe.reduce import Point, ReductionPlan, already_reduced, reduces_now
 from moeshard.parallel import Layout
 
@@ -56,7 +57,7 @@ SHARED = [None, SharedLayout.TENSOR_PARALLEL, SharedLayout.DATA_PARALLEL]
 
 def combos():
     for layout, method, shared, has_transform in itertools.product(LAYOUTS, CommMethod, SHARED, (False, True)):
-        if method.needs_ep and not layout.ep:
+        if DISPATCHERS[method].needs_ep and not layout.ep:
             continue
         # The scalar model says the ALLGATHER routed output is a partial over TP without SP, which
         # is what the layer produces; under SP every method's output is complete.

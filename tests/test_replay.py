@@ -1,4 +1,4 @@
-"""Compile once under one method, replay under every other (DESIGN.md §4).
+"""Compile once under one method, replay under every other (docs/DESIGN.md §4).
 
 The runtime-aware layer equals the reference for every (trace, run) pair. The naive layer, which
 branches in Python on the method, passes eagerly and on same-method replays but fails where the

@@ -1,28 +1,24 @@
 """`moeshard.LLM`: continuous batching over a paged KV cache, on any DP × TP × EP layout.
 
-The LLM object is the driver: it tokenizes, schedules (one scheduler per DP group: each group
-serves its own requests), samples and detokenizes. Every step it sends the ranks their chunks and
-they step in lock-step (moeshard.engine.worker); with one rank the worker runs in this process.
+The LLM object is the driver: it tokenizes and checks requests, and `generate` is a loop over the
+engine core (moeshard.engine.core: per-DP-group schedulers, one step on every rank in lock-step),
+the same loop online serving runs. With one rank the worker runs in this process.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import worker
-from moeshard.engine.block_manager import BlockManager
-from moeshard.engine.sampling import Sample, SamplingParams, sample_batch
-from moeshard.engine.scheduler import Request, Scheduler
-from moeshard.models.checkpoint import Checkpoint
-from moeshard.models.model import check_layout, load_config, part_of, unused_by_design
-from moeshard.models.runner import Chunk
+from moeshard.engine.core import CoreLimits, EngineCore, RequestDelta
+from moeshard.engine.lifecycle import EngineLifecycle, WeightSchema
+from moeshard.engine.sampling import SamplingParams
+from moeshard.engine.scheduler import StopRules
+from moeshard.models.model import check_layout, load_config
 from moeshard.moe.context import check_method, method_policy
 from moeshard.parallel import Layout
 from moeshard.parallel.launch import open_layout
@@ -34,61 +30,15 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-N token → logprob
-    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", or None on error
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort", or None on error
     error: str | None = None  # this request was refused; the others ran
 
-
-@dataclass(frozen=True)
-class WeightSchema:
-    """The weights a complete update must carry: checkpoint name → (full shape, dtype)."""
-
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-    @classmethod
-    def of(cls, directory: Path, cfg) -> "WeightSchema":
-        ckpt = Checkpoint(directory)
-        names = [n for n in ckpt.handles if not unused_by_design(n, cfg)]
-        return cls({n: (ckpt.shape(n), ckpt.stored_dtype(n)) for n in names})
-
-    def check(self, named_tensors) -> dict[str | int, dict[str, torch.Tensor]]:
-        """The update grouped by model part, or a ValueError naming the first offending tensor."""
-        buckets: dict[str | int, dict[str, torch.Tensor]] = {}
-        stream, count = iter(named_tensors), 0
-        while True:
-            try:
-                name, tensor = next(stream)  # references only: nothing is copied here
-            except StopIteration:
-                break
-            except Exception as exc:  # the stream itself failed part-way
-                raise ValueError(
-                    f"the update stream failed after {count} tensors ({exc}); nothing was written."
-                ) from None
-            count += 1
-            if name not in self.tensors:
-                raise ValueError(f"update tensor {name!r} is not a weight of this model; nothing was written.")
-            shape, dtype = self.tensors[name]
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"update entry {name!r} is a {type(tensor).__name__}, not a tensor.")
-            if tuple(tensor.shape) != shape:
-                raise ValueError(
-                    f"update tensor {name!r} has shape {list(tensor.shape)}; the model's is {list(shape)}; "
-                    "nothing was written."
-                )
-            if tensor.dtype != dtype:
-                raise ValueError(
-                    f"update tensor {name!r} is {tensor.dtype}; the model's is {dtype}; nothing was written."
-                )
-            part = buckets.setdefault(part_of(name), {})
-            if name in part:
-                raise ValueError(f"update tensor {name!r} appears twice; nothing was written.")
-            part[name] = tensor
-        missing = [n for n in self.tensors if n not in buckets.get(part_of(n), {})]
-        if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise ValueError(
-                f"the update ended without {missing[0]!r}{more}: an update carries every weight; nothing was written."
-            )
-        return buckets
+    def append(self, delta: RequestDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason = delta.finish_reason
 
 
 class LocalRanks:
@@ -125,7 +75,7 @@ def read_eos(directory: Path) -> set[int]:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
-class LLM:
+class LLM(EngineLifecycle):
     def __init__(
         self,
         model: str | None = None,
@@ -155,18 +105,16 @@ class LLM:
         self.num_blocks = num_kv_blocks or -(-max_num_seqs * self.max_model_len // block_size)
         self.eos = read_eos(self.directory)
         self.tokenizer = self.load_tokenizer()
-        self.seed_generator = torch.Generator().manual_seed(seed)
-        self.ids = itertools.count()
         backend = "inductor" if compile is True else compile or None
         config = worker.WorkerConfig(
             str(self.directory), self.layout, dtype, self.num_blocks, block_size, moe_comm, backend
         )
         self.schema = WeightSchema.of(self.directory, cfg)
-        self.released: set[str] = set()  # memory a sleep released and no wake has re-created
-        self.weights_lost = False  # sleep(level=2) dropped the weights; reload before generating
-        # Negative controls only: with the rebuild off, derived tensors stay as the wake left them.
-        self.rebuild_derived = os.environ.get("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD") != "1"
+        self.init_lifecycle()
         self.ranks = LocalRanks(config) if self.layout.world_size == 1 else SpawnedRanks(self.layout, config)
+        rules = StopRules(frozenset(self.eos), self.max_model_len, self.decode)
+        limits = CoreLimits(self.num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
+        self.core = EngineCore(self.ranks, self.layout, limits, rules, seed)
 
     def load_tokenizer(self):
         path = self.directory / "tokenizer.json"
@@ -180,65 +128,6 @@ class LLM:
         """Run later steps with `method` (compiled graphs are reused: they serve every method)."""
         check_method(method_policy(method)[0], self.layout)
         self.ranks.call("set_method", method)
-
-    def sleep(self, level: int = 1) -> list[float]:
-        """Release memory for a colocated trainer (DESIGN.md §5): level 1 backs the weights up to the
-        host, level 2 drops them too; the KV cache never survives. Returns each rank's resident MiB."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}.")
-        if self.released:
-            raise RuntimeError("the engine is already asleep; call wake_up() first.")
-        rss = self.ranks.call("sleep", level)
-        self.released, self.weights_lost = {"weights", "kv_cache"}, level == 2
-        return rss
-
-    def wake_up(self, tags: list[str] | None = None, poison: bool = False) -> list[float]:
-        """Re-create the memory `tags` name ("weights", "kv_cache"; default both). What is not
-        restored holds undefined contents; `poison` makes it garbage, so a stale read cannot hide.
-        Derived tensors are recomputed after the weights come back. Returns each rank's resident MiB."""
-        tags = ["weights", "kv_cache"] if tags is None else list(tags)
-        unknown = set(tags) - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"unknown wake_up tag(s) {sorted(unknown)}; known: weights, kv_cache.")
-        rss = self.ranks.call("wake", tags, poison, self.rebuild_derived)
-        self.released -= set(tags)
-        return rss
-
-    def reload_weights(self) -> None:
-        """Read the weights from the model directory again (after sleep(level=2), or to undo updates)."""
-        if "weights" in self.released:
-            raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
-        self.ranks.call("reload_weights", self.rebuild_derived)
-        self.weights_lost = False
-
-    def resident_mb(self) -> list[float]:
-        """Each rank's resident memory, in MiB."""
-        return self.ranks.call("resident_mb")
-
-    def update_weights(self, named_tensors) -> int:
-        """Take new weights: an iterable of (checkpoint name, full tensor) covering every weight.
-
-        Every name, shape and dtype is checked before anything is written; a refused update leaves
-        the old weights (and the generation) as they were. Then each part of the model (a layer, the
-        embedding, …) is written in turn, sharded as the loader shards it, so the extra memory is one
-        part. Derived tensors are rebuilt; returns the new generation.
-        """
-        if "weights" in self.released:
-            raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
-        buckets = self.schema.check(named_tensors)
-        for part, tensors in buckets.items():
-            self.ranks.call("update_part", part, tensors)
-        generation = self.ranks.call("rebuild_derived")[0] if self.rebuild_derived else None
-        self.weights_lost = False
-        return generation
-
-    def check_ready(self) -> None:
-        if self.released:
-            raise RuntimeError(
-                f"the engine is asleep ({' and '.join(sorted(self.released))} released); call wake_up()."
-            )
-        if self.weights_lost:
-            raise RuntimeError("the weights were dropped by sleep(level=2); call reload_weights() before generating.")
 
     def close(self) -> None:
         self.ranks.close()
@@ -259,8 +148,8 @@ class LLM:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def make_request(self, prompt, params) -> Request:
-        """A request, or a ValueError naming what is wrong with this one."""
+    def check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        """A request's token ids and parameters, or a ValueError naming what is wrong with it."""
         if isinstance(params, dict):
             params = SamplingParams.from_options(**params)
         ids = self.encode(prompt)
@@ -273,10 +162,7 @@ class LLM:
             raise ValueError(
                 f"the request may need {len(ids) + params.max_tokens} tokens; the KV cache holds {capacity}."
             )
-        seed = (
-            params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_generator))
-        )
-        return Request(next(self.ids), ids, params, torch.Generator().manual_seed(seed))
+        return ids, params
 
     def generate(
         self,
@@ -286,7 +172,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in prompt order. A request refused for bad input gets `error`; the others run.
 
-        `max_concurrency`: at most this many requests in flight at once (default: max_num_seqs).
+        `max_concurrency`: at most this many of these requests in the engine at once, as that many
+        clients would send them (default: all at once; each DP group runs up to max_num_seqs).
         """
         self.check_ready()
         if not isinstance(sampling_params, list):
@@ -294,66 +181,21 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling parameters.")
         outputs = [RequestOutput(prompt) for prompt in prompts]
-        groups = [
-            Scheduler(
-                BlockManager(self.num_blocks, self.block_size), max_concurrency or self.max_num_seqs, self.token_budget
-            )
-            for _ in range(self.layout.dp)
-        ]
-        requests: dict[int, tuple[Request, RequestOutput]] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+        pending = []
+        for output, params in zip(outputs, sampling_params):
             try:
-                request = self.make_request(prompt, params)
+                pending.append((output, *self.check_request(output.prompt, params)))
             except ValueError as exc:
-                outputs[i].error = str(exc)
-                continue
-            groups[len(requests) % len(groups)].add(request)
-            requests[request.id] = (request, outputs[i])
-        while any(group.has_work for group in groups):
-            self.step(groups)
-        for request, output in requests.values():
-            output.text, output.token_ids, output.finish_reason = (
-                request.text,
-                request.output_ids,
-                request.finish_reason,
-            )
-            if request.params.logprobs is not None:
-                output.logprobs = [s.top_logprobs | {s.token: s.logprob} for s in request.samples]
+                output.error = str(exc)
+        pending.reverse()
+        in_flight: dict[int, RequestOutput] = {}
+        while pending or in_flight:
+            while pending and len(in_flight) < (max_concurrency or len(outputs)):
+                output, ids, params = pending.pop()
+                in_flight[self.core.add_request(ids, params)] = output
+            for delta in self.core.step():
+                output = in_flight[delta.request_id]
+                output.append(delta)
+                if delta.finished:
+                    del in_flight[delta.request_id]
         return outputs
-
-    def step(self, groups: list[Scheduler]) -> None:
-        plans = [group.schedule() for group in groups]
-        chunks = [
-            [Chunk(r.tokens[r.num_computed : r.num_computed + n], r.num_computed, list(r.blocks)) for r, n in plan]
-            for plan in plans
-        ]
-        per_rank = self.ranks.call("step", chunks)
-        for d, (group, plan) in enumerate(zip(groups, plans)):
-            for request, n in plan:
-                request.num_computed += n
-            ready = [i for i, (request, _) in enumerate(plan) if request.num_computed == request.num_tokens]
-            if not ready:
-                continue
-            logits = torch.stack([per_rank[d * self.layout.tp][i] for i in ready])
-            requests = [plan[i][0] for i in ready]
-            drawn = sample_batch(logits, [r.params for r in requests], [r.generator for r in requests])
-            for request, sampled in zip(requests, drawn):
-                self.append(group, request, sampled)
-
-    def append(self, group: Scheduler, request: Request, drawn: Sample) -> None:
-        params = request.params
-        request.output_ids.append(drawn.token)
-        request.samples.append(drawn)
-        if drawn.token in self.eos and not params.ignore_eos:
-            return self.finish(group, request, "stop")
-        if params.stop:
-            text = self.decode(request.output_ids)
-            for stop in params.stop:
-                if stop in text:
-                    return self.finish(group, request, "stop", text[: text.index(stop)])
-        if len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            self.finish(group, request, "length")
-
-    def finish(self, group: Scheduler, request: Request, reason: str, text: str | None = None) -> None:
-        request.text = self.decode(request.output_ids) if text is None else text
-        group.finish(request, reason)

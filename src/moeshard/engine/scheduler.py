@@ -1,11 +1,17 @@
 """Requests and the scheduler of one DP group: waiting and running queues, chunked prefill under a
 token budget, mixed prefill + decode steps, preemption by recompute when KV blocks run out.
+
+The scheduler owns a request's progress: `schedule` says what each request computes this step,
+and `postprocess` takes the step's sampled tokens and advances every request — tokens computed,
+tokens appended, and the decision to finish (EOS, a stop string, max_tokens, the context length).
+The driver only schedules, runs and hands results over.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,9 +50,32 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
+@dataclass(frozen=True)
+class Scheduled:
+    """`num_tokens` of `request`'s tokens computed this step."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk reach the request's last known token, so that a new one is sampled?"""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class StopRules:
+    """When a request ends, besides its own max_tokens and stop strings."""
+
+    eos: frozenset[int]
+    max_model_len: int
+    decode: Callable[[list[int]], str]  # token ids → text, for stop strings and the final text
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, token_budget: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, token_budget: int, rules: StopRules):
         self.blocks, self.max_num_seqs, self.token_budget = blocks, max_num_seqs, token_budget
+        self.rules = rules
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -65,12 +94,12 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
 
-    def schedule(self) -> list[tuple[Request, int]]:
+    def schedule(self) -> list[Scheduled]:
         """This step's (request, new tokens): running requests first (oldest first), then waiting
         ones while sequence slots, token budget and blocks last. The newest running request is
         preempted when an older one needs a block."""
         budget = self.token_budget
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[Scheduled] = []
         for request in list(self.running):
             if request.status is not Status.RUNNING:
                 continue  # preempted for an older request in this loop
@@ -83,7 +112,7 @@ class Scheduler:
                     break
             else:
                 self.blocks.grow(request.blocks, request.num_computed + n)
-                scheduled.append((request, n))
+                scheduled.append(Scheduled(request, n))
                 budget -= n
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
@@ -94,11 +123,36 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             self.blocks.grow(request.blocks, n)
-            scheduled.append((request, n))
+            scheduled.append(Scheduled(request, n))
             budget -= n
         return scheduled
 
-    def finish(self, request: Request, reason: str) -> None:
+    def postprocess(self, scheduled: list[Scheduled], samples: list[Sample]) -> None:
+        """Advance every request of the step; `samples` holds one token per chunk that `samples`, in order."""
+        drawn = iter(samples)
+        for chunk in scheduled:
+            sampled = chunk.samples
+            chunk.request.num_computed += chunk.num_tokens
+            if sampled:
+                self.append(chunk.request, next(drawn))
+
+    def append(self, request: Request, sample: Sample) -> None:
+        params, rules = request.params, self.rules
+        request.output_ids.append(sample.token)
+        request.samples.append(sample)
+        if sample.token in rules.eos and not params.ignore_eos:
+            return self.finish(request, "stop")
+        if params.stop:
+            text = rules.decode(request.output_ids)
+            for stop in params.stop:
+                if stop in text:
+                    return self.finish(request, "stop", text[: text.index(stop)])
+        if len(request.output_ids) >= params.max_tokens or request.num_tokens >= rules.max_model_len:
+            self.finish(request, "length")
+
+    def finish(self, request: Request, reason: str, text: str | None = None) -> None:
+        """End `request` (running, or still waiting when aborted); its blocks are free at once."""
+        (self.running if request.status is Status.RUNNING else self.waiting).remove(request)
         request.status, request.finish_reason = Status.FINISHED, reason
+        request.text = self.rules.decode(request.output_ids) if text is None else text
         self.blocks.release(request.blocks)
-        self.running.remove(request)

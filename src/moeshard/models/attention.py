@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard.models import kv_cache
-from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.config import AttentionConfig, ModelConfig
 from moeshard.models.kv_cache import CacheSpec, KVCache
-from moeshard.models.layers import RMSNorm, Rotary, TPComm, block, frozen
+from moeshard.models.layers import RMSNorm, Rotary, TPComm, block, size
+from moeshard.models.loader import Alloc, Block
 from moeshard.parallel.layout import LayoutError
 from moeshard.parallel.state import ParallelState
 
@@ -45,20 +45,19 @@ def heads_rows(heads: slice, dim: int) -> slice:
 
 
 class Linear(nn.Module):
-    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None):
+    """A block of checkpoint linear `name` (`shape` = [out, in]): `rows` and `cols` of
+    `name.weight`, and the same rows of `name.bias`."""
+
+    def __init__(
+        self, alloc: Alloc, name: str, shape: tuple[int, int], rows=slice(None), cols=slice(None), bias: bool = False
+    ):
         super().__init__()
-        self.weight_OI, self.bias_O = frozen(weight_OI), frozen(bias_O)
+        O, I = size(rows, shape[0]), size(cols, shape[1])
+        self.weight_OI = alloc((O, I), Block(f"{name}.weight", shape, (rows, cols)))
+        self.bias_O = alloc((O,), Block(f"{name}.bias", shape[:1], (rows,))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight_OI, self.bias_O)
-
-
-def read_linear(
-    ckpt: Checkpoint, name: str, shape: tuple[int, int], rows=slice(None), cols=slice(None), bias=False
-) -> Linear:
-    """A linear layer's block of `name.weight` (and of `name.bias`, which follows the rows)."""
-    weight = ckpt.read(f"{name}.weight", shape, (rows, cols))
-    return Linear(weight, ckpt.read(f"{name}.bias", shape[:1], (rows,)) if bias else None)
 
 
 class AttentionBase(nn.Module, kv_cache.AttentionLayer):
@@ -74,16 +73,12 @@ class AttentionBase(nn.Module, kv_cache.AttentionLayer):
         self.comm = TPComm(parallel)
         kv_cache.register(name, self)
 
-    def read_o_proj(self, ckpt: Checkpoint, prefix: str, cfg: ModelConfig) -> None:
-        att = cfg.attention
-        self.o_proj = read_linear(
-            ckpt,
-            f"{prefix}.o_proj",
-            (cfg.hidden, att.heads * att.v_head_dim),
-            cols=heads_rows(self.heads, att.v_head_dim),
-        )
+    def add_o_proj(self, alloc: Alloc, prefix: str, cfg: ModelConfig) -> None:
+        att, D = cfg.attention, cfg.hidden
+        cols = heads_rows(self.heads, att.v_head_dim)
+        self.o_proj = Linear(alloc, f"{prefix}.o_proj", (D, att.heads * att.v_head_dim), cols=cols)
         # A row-parallel bias is added once, after the reduction.
-        self.o_bias_D = frozen(ckpt.read(f"{prefix}.o_proj.bias", (cfg.hidden,))) if att.o_bias else None
+        self.o_bias_D = alloc((D,), Block(f"{prefix}.o_proj.bias", (D,))) if att.o_bias else None
 
     def project_out(self, o_THe: torch.Tensor) -> torch.Tensor:
         out_TD = self.comm.reduce(self.o_proj(o_THe.flatten(1)))
@@ -96,20 +91,20 @@ class AttentionBase(nn.Module, kv_cache.AttentionLayer):
 class Attention(AttentionBase):
     """GQA with optional q/k/v bias and Qwen3's per-head QK RMSNorm."""
 
-    def __init__(self, ckpt: Checkpoint, prefix: str, name: str, cfg: ModelConfig, window, parallel: ParallelState):
+    def __init__(self, alloc: Alloc, prefix: str, name: str, cfg: ModelConfig, window, parallel: ParallelState):
         super().__init__(name, cfg, window, parallel)
         att, D = cfg.attention, cfg.hidden
         Dh, bias = att.head_dim, att.qkv_bias
         self.kv_heads = kv_head_block(att, parallel)
-        self.q_proj = read_linear(ckpt, f"{prefix}.q_proj", (att.heads * Dh, D), heads_rows(self.heads, Dh), bias=bias)
+        self.q_proj = Linear(alloc, f"{prefix}.q_proj", (att.heads * Dh, D), heads_rows(self.heads, Dh), bias=bias)
         kv_rows = heads_rows(self.kv_heads, Dh)
-        self.k_proj = read_linear(ckpt, f"{prefix}.k_proj", (att.kv_heads * Dh, D), kv_rows, bias=bias)
-        self.v_proj = read_linear(ckpt, f"{prefix}.v_proj", (att.kv_heads * Dh, D), kv_rows, bias=bias)
-        self.read_o_proj(ckpt, prefix, cfg)
+        self.k_proj = Linear(alloc, f"{prefix}.k_proj", (att.kv_heads * Dh, D), kv_rows, bias=bias)
+        self.v_proj = Linear(alloc, f"{prefix}.v_proj", (att.kv_heads * Dh, D), kv_rows, bias=bias)
+        self.add_o_proj(alloc, prefix, cfg)
         self.q_norm = self.k_norm = None
         if att.qk_norm:
-            self.q_norm = RMSNorm(ckpt.read(f"{prefix}.q_norm.weight", (Dh,)), cfg.rms_eps)
-            self.k_norm = RMSNorm(ckpt.read(f"{prefix}.k_norm.weight", (Dh,)), cfg.rms_eps)
+            self.q_norm = RMSNorm(alloc, f"{prefix}.q_norm", Dh, cfg.rms_eps)
+            self.k_norm = RMSNorm(alloc, f"{prefix}.k_norm", Dh, cfg.rms_eps)
         self.head_dim = Dh
 
     def cache_spec(self) -> CacheSpec:
@@ -132,7 +127,7 @@ class Attention(AttentionBase):
 class LatentAttention(AttentionBase):
     """DeepSeek-V3's MLA, computed over the cached latent (see the module docstring)."""
 
-    def __init__(self, ckpt: Checkpoint, prefix: str, name: str, cfg: ModelConfig, window, parallel: ParallelState):
+    def __init__(self, alloc: Alloc, prefix: str, name: str, cfg: ModelConfig, window, parallel: ParallelState):
         super().__init__(name, cfg, window, parallel)
         att, D = cfg.attention, cfg.hidden
         self.att = att
@@ -141,20 +136,24 @@ class LatentAttention(AttentionBase):
         bias = att.qkv_bias
         if att.q_lora_rank:
             R = att.q_lora_rank
-            self.q_a_proj = read_linear(ckpt, f"{prefix}.q_a_proj", (R, D), bias=bias)
-            self.q_a_norm = RMSNorm(ckpt.read(f"{prefix}.q_a_layernorm.weight", (R,)), cfg.rms_eps)
-            self.q_b_proj = read_linear(ckpt, f"{prefix}.q_b_proj", (att.heads * att.head_dim, R), q_rows)
+            self.q_a_proj = Linear(alloc, f"{prefix}.q_a_proj", (R, D), bias=bias)
+            self.q_a_norm = RMSNorm(alloc, f"{prefix}.q_a_layernorm", R, cfg.rms_eps)
+            self.q_b_proj = Linear(alloc, f"{prefix}.q_b_proj", (att.heads * att.head_dim, R), q_rows)
         else:
-            self.q_proj = read_linear(ckpt, f"{prefix}.q_proj", (att.heads * att.head_dim, D), q_rows)
-        self.kv_a_proj = read_linear(ckpt, f"{prefix}.kv_a_proj_with_mqa", (C + rope, D), bias=bias)
-        self.kv_a_norm = RMSNorm(ckpt.read(f"{prefix}.kv_a_layernorm.weight", (C,)), cfg.rms_eps)
-        kv_b = ckpt.read(
-            f"{prefix}.kv_b_proj.weight", (att.heads * (nope + Dv), C), (heads_rows(self.heads, nope + Dv),)
+            self.q_proj = Linear(alloc, f"{prefix}.q_proj", (att.heads * att.head_dim, D), q_rows)
+        self.kv_a_proj = Linear(alloc, f"{prefix}.kv_a_proj_with_mqa", (C + rope, D), bias=bias)
+        self.kv_a_norm = RMSNorm(alloc, f"{prefix}.kv_a_layernorm", C, cfg.rms_eps)
+        # kv_b_proj holds each head's key rows then its value rows: this rank's heads, split per head.
+        H = self.num_heads
+        kv_b = dict(
+            name=f"{prefix}.kv_b_proj.weight",
+            shape=(att.heads * (nope + Dv), C),
+            index=(heads_rows(self.heads, nope + Dv),),
+            view=(H, nope + Dv, C),
         )
-        w_HcC = kv_b.view(self.num_heads, nope + Dv, C)
-        self.w_uk_HnC = frozen(w_HcC[:, :nope])
-        self.w_uv_HvC = frozen(w_HcC[:, nope:])
-        self.read_o_proj(ckpt, prefix, cfg)
+        self.w_uk_HnC = alloc((H, nope, C), Block(**kv_b, pick=(slice(None), slice(0, nope))))
+        self.w_uv_HvC = alloc((H, Dv, C), Block(**kv_b, pick=(slice(None), slice(nope, None))))
+        self.add_o_proj(alloc, prefix, cfg)
 
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(1, self.att.kv_lora_rank + self.att.qk_rope_head_dim, self.att.kv_lora_rank)

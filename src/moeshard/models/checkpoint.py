@@ -56,10 +56,15 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 
 class TensorSource:
     """Named full tensors, read a block at a time: every read checked against the full shape the
-    config implies, converted to the dtype asked for, and remembered (`read_names`)."""
+    config implies and remembered (`read_names`). Blocks come as stored: the copy into a parameter
+    converts them to its dtype and device, so no converted copy is made on the way.
 
-    def __init__(self, label: str, dtype: torch.dtype, device):
-        self.label, self.dtype, self.device = label, dtype, device
+    The sources take a `dtype` and `device` argument, which they ignore: the engine's workers pass
+    the model's.
+    """
+
+    def __init__(self, label: str):
+        self.label = label
         self.read_names: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
@@ -71,24 +76,26 @@ class TensorSource:
     def block(self, name: str, index: tuple) -> torch.Tensor:
         raise NotImplementedError
 
-    def read(
-        self, name: str, shape: tuple[int, ...], index: tuple = (), dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """The block `index` of tensor `name`, whose full shape must be `shape`, in `dtype`."""
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        """Refuse a missing tensor or one whose full shape is not `shape`; count it as read."""
         if name not in self:
             raise CheckpointError(f"{self.label} has no tensor {name!r}.")
         actual = self.shape(name)
         if actual != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {list(actual)}, but the config implies {list(shape)}.")
         self.read_names.add(name)
-        return self.block(name, index).to(device=self.device, dtype=dtype or self.dtype)
+
+    def read(self, name: str, shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
+        """The block `index` of tensor `name`, whose full shape must be `shape`."""
+        self.check(name, shape)
+        return self.block(name, index)
 
 
 class TensorDict(TensorSource):
-    """Tensors in memory (a weight update), read like a checkpoint."""
+    """Tensors in memory (a weight update), read like a checkpoint; a block is a view, not a copy."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"):
-        super().__init__("the update", dtype, device)
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None, device=None):
+        super().__init__("the update")
         self.tensors = tensors
 
     def __contains__(self, name: str) -> bool:
@@ -104,9 +111,9 @@ class TensorDict(TensorSource):
 class Checkpoint(TensorSource):
     """The tensors of a checkpoint directory, by name (headers only until a tensor is read)."""
 
-    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, directory: str | Path, dtype: torch.dtype | None = None, device=None):
         self.directory = Path(directory)
-        super().__init__(f"checkpoint {self.directory.name}", dtype, device)
+        super().__init__(f"checkpoint {self.directory.name}")
         self.handles: dict[str, object] = {}
         for path in safetensors_files(self.directory):
             try:

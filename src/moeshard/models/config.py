@@ -1,11 +1,14 @@
 """What a decoder model is, independent of the checkpoint format: frozen, hashable, no tensors.
 
-Shape legend used across moeshard.models (with moeshard.moe's):
-    T  tokens in the flat batch (this rank's rows; its SP slice under SP)
-    H  attention heads on this rank              G  KV heads on this rank
-    Dh head dim (query/key)                      Dv value head dim
-    V  vocabulary rows on this rank              S  slots in the paged KV cache
-    C  MLA latent (kv_lora_rank)                 Dr rotary dims
+Shape legend used across moeshard.models, with moeshard.moe's (docs/DESIGN.md §10); capitals
+count rows, heads, sequences and slots, lower-case letters are widths inside one head:
+    T  tokens in the flat batch (this rank's rows; its SP slice under SP)    D  hidden size
+    V  vocabulary rows on this rank     H  attention heads on this rank     G  KV heads on this rank
+    N  sequences in a step              Q  a sequence's query rows (padded to the step's longest chunk)
+    X  positions: a sequence's keys (padded to the step's longest context), or the RoPE table's rows
+    S  slots of the paged KV cache      B  blocks in a block table
+    d  query/key width of a head        e  value width of a head
+    c  MLA latent (kv_lora_rank)        n  MLA q/k dims without rope        r  rotary dims
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeConfig:
-    dim: int  # rotary dims per head (Dr)
+    dim: int  # rotary dims per head (r)
     theta: float = 10000.0
     kind: str = "default"  # "default" | "yarn"
     factor: float = 1.0

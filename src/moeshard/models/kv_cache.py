@@ -47,7 +47,7 @@ def allocate(spec: CacheSpec, num_blocks: int, block_size: int, dtype: torch.dty
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """One step's flat batch of S sequences: sequence i's new tokens are rows
+    """One step's flat batch of N sequences: sequence i's new tokens are rows
     [query_starts[i], query_starts[i+1]); rows after the last sequence's are padding (slot -1:
     written nowhere, output zero).
 
@@ -55,14 +55,14 @@ class AttentionMetadata:
     slots (keys 0 … seq_lens[i]-1), and its query rows padded to the step's longest chunk Q.
     """
 
-    query_starts: tuple[int, ...]  # len S + 1
+    query_starts: tuple[int, ...]  # len N + 1
     seq_lens: tuple[int, ...]  # context length after this step, new tokens included
     slot_mapping_T: torch.Tensor  # int64, -1 for padding rows
-    context_slots_SL: torch.Tensor  # int64 [S, L], L = max seq_len; 0 past a sequence's length
-    context_valid_SL: torch.Tensor  # bool
-    query_rows_SQ: torch.Tensor  # int64 [S, Q]: row of each query; 0 past a sequence's chunk
-    query_pos_SQ: torch.Tensor  # int64 position of each query
-    query_valid_SQ: torch.Tensor  # bool
+    context_slots_NX: torch.Tensor  # int64 [N, X], X = max seq_len; 0 past a sequence's length
+    context_valid_NX: torch.Tensor  # bool
+    query_rows_NQ: torch.Tensor  # int64 [N, Q]: row of each query; 0 past a sequence's chunk
+    query_pos_NQ: torch.Tensor  # int64 position of each query
+    query_valid_NQ: torch.Tensor  # bool
 
     @classmethod
     def build(
@@ -74,30 +74,30 @@ class AttentionMetadata:
         padded_rows: int,
         device="cpu",
     ) -> "AttentionMetadata":
-        S = len(query_lens)
+        N = len(query_lens)
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
         width = max((len(t) for t in block_tables), default=0)
-        tables_SB = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
-        tables_SB = tables_SB.reshape(S, width)
-        lens_S, qlens_S = torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64)
-        k_pos_L = torch.arange(max(seq_lens, default=0))
-        valid_SL = k_pos_L < lens_S[:, None]
-        slots_SL = tables_SB.gather(1, (k_pos_L // block_size).expand(S, -1).clamp(max=max(width - 1, 0)))
-        slots_SL = torch.where(valid_SL, slots_SL * block_size + k_pos_L % block_size, 0)
+        tables_NB = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        tables_NB = tables_NB.reshape(N, width)
+        lens_N, qlens_N = torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64)
+        k_pos_X = torch.arange(max(seq_lens, default=0))
+        valid_NX = k_pos_X < lens_N[:, None]
+        slots_NX = tables_NB.gather(1, (k_pos_X // block_size).expand(N, -1).clamp(max=max(width - 1, 0)))
+        slots_NX = torch.where(valid_NX, slots_NX * block_size + k_pos_X % block_size, 0)
         q_off_Q = torch.arange(max(query_lens, default=0))
-        q_valid_SQ = q_off_Q < qlens_S[:, None]
-        q_pos_SQ = (lens_S - qlens_S)[:, None] + q_off_Q
+        q_valid_NQ = q_off_Q < qlens_N[:, None]
+        q_pos_NQ = (lens_N - qlens_N)[:, None] + q_off_Q
         # The new tokens' slots are the context slots at their positions.
-        new_slots = slots_SL.gather(1, q_pos_SQ.clamp(max=max(slots_SL.shape[1] - 1, 0)))[q_valid_SQ]
+        new_slots = slots_NX.gather(1, q_pos_NQ.clamp(max=max(slots_NX.shape[1] - 1, 0)))[q_valid_NQ]
         slot_mapping_T = torch.full((padded_rows,), -1, dtype=torch.int64)
         slot_mapping_T[: new_slots.numel()] = new_slots
-        rows_SQ = torch.where(q_valid_SQ, torch.tensor(starts[:-1], dtype=torch.int64)[:, None] + q_off_Q, 0)
+        rows_NQ = torch.where(q_valid_NQ, torch.tensor(starts[:-1], dtype=torch.int64)[:, None] + q_off_Q, 0)
         return cls(
             tuple(starts),
             tuple(seq_lens),
-            *(t.to(device) for t in (slot_mapping_T, slots_SL, valid_SL, rows_SQ, q_pos_SQ, q_valid_SQ)),
+            *(t.to(device) for t in (slot_mapping_T, slots_NX, valid_NX, rows_NQ, q_pos_NQ, q_valid_NQ)),
         )
 
 
@@ -152,17 +152,17 @@ def paged_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGe: torch.Tenso
     if not meta.seq_lens:
         return out_THe
     H, G = q_THd.shape[1], cache.k_SGd.shape[1]
-    q_SHQd = q_THd[meta.query_rows_SQ].transpose(1, 2).float()
-    k_SHLd = cache.k_SGd[meta.context_slots_SL].repeat_interleave(H // G, dim=2).transpose(1, 2).float()
-    v_SHLe = cache.v_SGe[meta.context_slots_SL].repeat_interleave(H // G, dim=2).transpose(1, 2).float()
-    k_pos_L = torch.arange(meta.context_slots_SL.shape[1], device=q_THd.device)
-    visible_SQL = (k_pos_L <= meta.query_pos_SQ[..., None]) & meta.context_valid_SL[:, None, :]
+    q_NHQd = q_THd[meta.query_rows_NQ].transpose(1, 2).float()
+    k_NHXd = cache.k_SGd[meta.context_slots_NX].repeat_interleave(H // G, dim=2).transpose(1, 2).float()
+    v_NHXe = cache.v_SGe[meta.context_slots_NX].repeat_interleave(H // G, dim=2).transpose(1, 2).float()
+    k_pos_X = torch.arange(meta.context_slots_NX.shape[1], device=q_THd.device)
+    visible_NQX = (k_pos_X <= meta.query_pos_NQ[..., None]) & meta.context_valid_NX[:, None, :]
     if layer.window is not None:
-        visible_SQL &= k_pos_L > meta.query_pos_SQ[..., None] - layer.window
-    scores_SHQL = (q_SHQd @ k_SHLd.transpose(-1, -2)) * layer.scale
-    probs_SHQL = scores_SHQL.masked_fill(~visible_SQL[:, None], float("-inf")).softmax(dim=-1)
-    out_SQHe = (probs_SHQL.nan_to_num() @ v_SHLe).transpose(1, 2)  # padded queries see nothing: NaN → 0
-    out_THe[meta.query_rows_SQ[meta.query_valid_SQ]] = out_SQHe[meta.query_valid_SQ].to(out_THe.dtype)
+        visible_NQX &= k_pos_X > meta.query_pos_NQ[..., None] - layer.window
+    scores_NHQX = (q_NHQd @ k_NHXd.transpose(-1, -2)) * layer.scale
+    probs_NHQX = scores_NHQX.masked_fill(~visible_NQX[:, None], float("-inf")).softmax(dim=-1)
+    out_NQHe = (probs_NHQX.nan_to_num() @ v_NHXe).transpose(1, 2)  # padded queries see nothing: NaN → 0
+    out_THe[meta.query_rows_NQ[meta.query_valid_NQ]] = out_NQHe[meta.query_valid_NQ].to(out_THe.dtype)
     return out_THe
 
 

@@ -1,5 +1,6 @@
 """The dense building blocks: RMSNorm, rotary embeddings, TP linears, vocab-parallel embedding and
-LM head, the dense SwiGLU MLP. Each is built from its rank's blocks of checkpoint tensors.
+LM head, the dense SwiGLU MLP. Each allocates its rank's shard of its weights and names the
+checkpoint blocks they are read from (moeshard.models.loader).
 
 TP conventions (Megatron's): a column-parallel linear holds a block of output rows and needs no
 communication; a row-parallel one holds a block of input columns and its output is a partial sum
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard.runtime import derived
-from moeshard.models.checkpoint import Checkpoint
+from moeshard.models.archs import yarn_mscale
 from moeshard.models.config import RopeConfig
+from moeshard.models.loader import Alloc, Block
 from moeshard.moe.functional import swiglu
 from moeshard.parallel import ops
 from moeshard.parallel.state import ParallelState
@@ -30,8 +32,9 @@ def block(n: int, part: int, parts: int) -> slice:
     return slice(part * size, (part + 1) * size)
 
 
-def frozen(t: torch.Tensor | None) -> nn.Parameter | None:
-    return None if t is None else nn.Parameter(t.contiguous(), requires_grad=False)
+def size(rows: slice, n: int) -> int:
+    """How many of range(n) `rows` takes."""
+    return len(range(*rows.indices(n)))
 
 
 class TPComm:
@@ -52,9 +55,9 @@ class TPComm:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight_D: torch.Tensor, eps: float):
+    def __init__(self, alloc: Alloc, prefix: str, dim: int, eps: float):
         super().__init__()
-        self.weight_D, self.eps = frozen(weight_D), eps
+        self.weight_D, self.eps = alloc((dim,), Block(f"{prefix}.weight", (dim,))), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -67,16 +70,12 @@ def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     if rope.kind == "default":
         return 1.0 / pos_freqs, 1.0
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
-            attention_factor = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+            attention_factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
         else:
-            attention_factor = mscale(rope.factor)
+            attention_factor = yarn_mscale(rope.factor)
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(rope.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
@@ -135,14 +134,14 @@ class VocabParallelEmbedding(nn.Module):
     it 0.92×, and an engine computes logits only for each sequence's last row.
     """
 
-    def __init__(self, ckpt: Checkpoint, name: str, vocab: int, hidden: int, parallel: ParallelState):
+    def __init__(self, alloc: Alloc, name: str, vocab: int, hidden: int, parallel: ParallelState):
         super().__init__()
         tp, t = parallel.layout.tp, parallel.tp_rank
         self.vocab, self.rows = vocab, -(-vocab // tp)
         self.start = t * self.rows
         real = max(0, min(self.rows, vocab - self.start))
-        weight_VD = ckpt.read(name, (vocab, hidden), (slice(self.start, self.start + real),))
-        self.weight_VD = frozen(F.pad(weight_VD, (0, 0, 0, self.rows - real)))
+        mine = Block(name, (vocab, hidden), (slice(self.start, self.start + real),), (slice(0, real),))
+        self.weight_VD = alloc((self.rows, hidden), mine, padding=(slice(real, None),))
         self.comm = TPComm(parallel)
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
@@ -161,30 +160,34 @@ class VocabParallelEmbedding(nn.Module):
         return logits_NV[:, : self.vocab]
 
 
-def read_swiglu(
-    ckpt: Checkpoint,
+def swiglu_blocks(
     prefix: str,
     hidden: int,
     intermediate: int,
     rows: slice,
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A SwiGLU's gate and up rows `rows`, fused (gate first) [F, D], and the matching down columns [D, I]."""
+    at: tuple = (),
+) -> tuple[tuple[Block, Block], Block]:
+    """A SwiGLU's gate and up rows `rows`, fused (gate first) into [F, D] at `at`, and the matching
+    down columns [D, I] at `at`: (gate-up blocks, down block)."""
     gate, up, down = (f"{prefix}.{name}.weight" for name in names)
-    gate_up_FD = torch.cat(
-        [ckpt.read(gate, (intermediate, hidden), (rows,)), ckpt.read(up, (intermediate, hidden), (rows,))]
+    n = size(rows, intermediate)
+    gate_up = (
+        Block(gate, (intermediate, hidden), (rows,), (*at, slice(0, n))),
+        Block(up, (intermediate, hidden), (rows,), (*at, slice(n, 2 * n))),
     )
-    return gate_up_FD, ckpt.read(down, (hidden, intermediate), (slice(None), rows))
+    return gate_up, Block(down, (hidden, intermediate), (slice(None), rows), at)
 
 
 class DenseMLP(nn.Module):
     """SwiGLU with gate/up column-parallel and down row-parallel over TP."""
 
-    def __init__(self, ckpt: Checkpoint, prefix: str, hidden: int, intermediate: int, parallel: ParallelState):
+    def __init__(self, alloc: Alloc, prefix: str, hidden: int, intermediate: int, parallel: ParallelState):
         super().__init__()
         rows = block(intermediate, parallel.tp_rank, parallel.layout.tp)
-        gate_up_FD, down_DI = read_swiglu(ckpt, prefix, hidden, intermediate, rows)
-        self.gate_up_FD, self.down_DI = frozen(gate_up_FD), frozen(down_DI)
+        gate_up, down = swiglu_blocks(prefix, hidden, intermediate, rows)
+        I = size(rows, intermediate)
+        self.gate_up_FD, self.down_DI = alloc((2 * I, hidden), *gate_up), alloc((hidden, I), down)
         self.comm = TPComm(parallel)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A decoder-only MoE model on this rank, built from its blocks of a Hugging Face checkpoint.
+"""A decoder-only MoE model on this rank, its parameters filled from a Hugging Face checkpoint.
 
     ids → embed → [ x += attn(norm(x)); x += mlp_or_moe(norm(x)) ] × layers → norm → (logits)
 
@@ -6,26 +6,32 @@ The forward takes a flat batch (tokens of several sequences, one position each) 
 final hidden rows; `logits` projects the rows that need them. Between blocks the rows are the DP
 group's (replicated over TP), or under SP this rank's equal slice of them, so the caller pads the
 batch to a multiple of TP. The step's attention metadata and MoE context are set by the caller.
+
+Built from the config alone (every parameter this rank's shard, empty, knowing its checkpoint
+blocks); start-up, updates and reloads all fill it with moeshard.models.loader.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Container
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from moeshard.models.archs import Architecture, parse_config
+from moeshard.models.archs import Architecture, CheckpointNames, parse_config
 from moeshard.models.attention import Attention, LatentAttention, check_heads
 from moeshard.models.checkpoint import Checkpoint, CheckpointError, TensorSource, read_config
 from moeshard.models.config import LayerConfig, ModelConfig
 from moeshard.models.kv_cache import CacheSpec, KVCache
-from moeshard.models.layers import DenseMLP, RMSNorm, Rotary, TPComm, VocabParallelEmbedding, block, read_swiglu
+from moeshard.models.layers import DenseMLP, RMSNorm, Rotary, TPComm, VocabParallelEmbedding, block, swiglu_blocks
+from moeshard.models.loader import Alloc, Block, attach, check_only, load_weights
 from moeshard.moe.config import MoEConfig
 from moeshard.moe.layer import MoELayer
-from moeshard.moe.weights import MoEWeights, RankShard
+from moeshard.moe.weights import RankShard
 from moeshard.parallel.layout import Layout, LayoutError
 from moeshard.parallel.state import ParallelState, get_parallel_state
 
@@ -48,65 +54,99 @@ def check_layout(cfg: ModelConfig, layout: Layout) -> None:
             )
 
 
-def read_moe_weights(ckpt: Checkpoint, arch: Architecture, prefix: str, cfg: MoEConfig, shard: RankShard) -> MoEWeights:
-    """This rank's slices of one MoE layer, from per-expert tensors or stacked 3-D ones."""
-    names = arch.names
-    # transformers 5 itself names every MoE block `mlp` (Mixtral's checkpoints say block_sparse_moe).
-    moe = next(
-        (f"{prefix}.{b}" for b in (names.moe_block, "mlp") if f"{prefix}.{b}.gate.weight" in ckpt),
-        f"{prefix}.{names.moe_block}",
-    )
-    D, E, I, S = cfg.hidden, cfg.num_experts, cfg.intermediate, cfg.shared_intermediate
-    rows = block(I, shard.part, shard.parts)
-    experts = slice(shard.experts.start, shard.experts.stop)
-    if f"{moe}.experts.gate_up_proj" in ckpt:
-        gate_up = f"{moe}.experts.gate_up_proj"
-        gate = ckpt.read(gate_up, (E, 2 * I, D), (experts, rows))
-        up = ckpt.read(gate_up, (E, 2 * I, D), (experts, slice(I + rows.start, I + rows.stop)))
-        gate_up_EFD = torch.cat([gate, up], dim=1)
-        down_EDI = ckpt.read(f"{moe}.experts.down_proj", (E, D, I), (experts, slice(None), rows))
-    else:
-        per_expert = [read_swiglu(ckpt, f"{moe}.experts.{e}", D, I, rows, names.expert_proj) for e in shard.experts]
-        gate_up_EFD = torch.stack([gate_up_FD for gate_up_FD, _ in per_expert])
-        down_EDI = torch.stack([down_DI for _, down_DI in per_expert])
-    shared = {}
-    if names.shared_block and (S or f"{moe}.{names.shared_block}.gate_proj.weight" in ckpt):
-        # S = 0 (Qwen2-MoE without a shared expert) still stores empty tensors and a gate.
-        gate_up_FD, down_DI = read_swiglu(
-            ckpt, f"{moe}.{names.shared_block}", D, S, block(S, shard.shared_part, shard.shared_parts)
+@dataclass(frozen=True)
+class MoEFormat:
+    """How a checkpoint stores one MoE layer, decided from the names it holds."""
+
+    block: str  # the MoE block's prefix
+    stacked: bool  # 3-D experts.gate_up_proj [E, 2I, D] and experts.down_proj [E, D, I], not per expert
+    shared: bool  # shared-expert tensors are stored
+
+    @classmethod
+    def of(cls, stored: Container[str], names: CheckpointNames, prefix: str, cfg: MoEConfig) -> "MoEFormat":
+        # transformers 5 itself names every MoE block `mlp` (Mixtral's checkpoints say block_sparse_moe).
+        moe = next(
+            (f"{prefix}.{b}" for b in (names.moe_block, "mlp") if f"{prefix}.{b}.gate.weight" in stored),
+            f"{prefix}.{names.moe_block}",
         )
-        gate_1D = ckpt.read(f"{moe}.{names.shared_gate}.weight", (1, D)) if names.shared_gate else None
-        if S:
-            shared = dict(shared_gate_up_FD=gate_up_FD, shared_down_DI=down_DI, shared_gate_1D=gate_1D)
-    return MoEWeights(
-        router_ED=ckpt.read(f"{moe}.gate.weight", (E, D), dtype=torch.float32),
-        gate_up_EFD=gate_up_EFD,
-        down_EDI=down_EDI,
-        score_bias_E=ckpt.read(f"{moe}.gate.e_score_correction_bias", (E,), dtype=torch.float32)
-        if cfg.router.score_bias
-        else None,
-        **shared,
+        # S = 0 (Qwen2-MoE without a shared expert) still stores empty tensors and a gate.
+        shared = bool(names.shared_block) and bool(
+            cfg.shared_intermediate or f"{moe}.{names.shared_block}.gate_proj.weight" in stored
+        )
+        return cls(moe, f"{moe}.experts.gate_up_proj" in stored, shared)
+
+
+def expert_blocks(fmt: MoEFormat, names: CheckpointNames, cfg: MoEConfig, shard: RankShard) -> dict[str, tuple]:
+    """The blocks of this rank's routed experts: MoEShard field → blocks."""
+    D, E, I = cfg.hidden, cfg.num_experts, cfg.intermediate
+    rows = block(I, shard.part, shard.parts)
+    if fmt.stacked:
+        name, n = f"{fmt.block}.experts.gate_up_proj", rows.stop - rows.start
+        experts, up = slice(shard.experts.start, shard.experts.stop), slice(I + rows.start, I + rows.stop)
+        return dict(
+            gate_up_LFD=(
+                Block(name, (E, 2 * I, D), (experts, rows), (slice(None), slice(0, n))),
+                Block(name, (E, 2 * I, D), (experts, up), (slice(None), slice(n, 2 * n))),
+            ),
+            down_LDI=(Block(f"{fmt.block}.experts.down_proj", (E, D, I), (experts, slice(None), rows)),),
+        )
+    per_expert = [
+        swiglu_blocks(f"{fmt.block}.experts.{e}", D, I, rows, names.expert_proj, at=(l,))
+        for l, e in enumerate(shard.experts)
+    ]
+    return dict(
+        gate_up_LFD=tuple(b for gate_up, _ in per_expert for b in gate_up),
+        down_LDI=tuple(down for _, down in per_expert),
     )
+
+
+def attach_moe_blocks(moe: MoELayer, fmt: MoEFormat, names: CheckpointNames, shard: RankShard) -> None:
+    """Tell each parameter of `moe` its checkpoint blocks (see moeshard.models.loader)."""
+    cfg = moe.cfg
+    D, E, S = cfg.hidden, cfg.num_experts, cfg.shared_intermediate
+    blocks = dict(
+        router_ED=(Block(f"{fmt.block}.gate.weight", (E, D)),),
+        score_bias_E=(Block(f"{fmt.block}.gate.e_score_correction_bias", (E,)),),
+        **expert_blocks(fmt, names, cfg, shard),
+    )
+    if fmt.shared:
+        prefix = f"{fmt.block}.{names.shared_block}"
+        gate_up, down = swiglu_blocks(prefix, D, S, block(S, shard.shared_part, shard.shared_parts))
+        gate = (Block(f"{fmt.block}.{names.shared_gate}.weight", (1, D)),) if names.shared_gate else ()
+        shared = dict(shared_gate_up_FD=gate_up, shared_down_DI=(down,), shared_gate_1D=gate)
+        if S:
+            blocks.update(shared)
+        else:
+            check_only(moe, *(b for group in shared.values() for b in group))
+    for field, param in moe.shard_params().items():
+        if param is not None:
+            attach(param, *blocks[field])
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, ckpt: Checkpoint, arch: Architecture, cfg: ModelConfig, i: int, name: str, parallel: ParallelState, dtype
+        self,
+        cfg: ModelConfig,
+        arch: Architecture,
+        i: int,
+        name: str,
+        parallel: ParallelState,
+        dtype: torch.dtype,
+        stored: Container[str],
     ):
         super().__init__()
         layer: LayerConfig = cfg.layers[i]
-        prefix = f"model.layers.{i}"
-        self.input_norm = RMSNorm(ckpt.read(f"{prefix}.input_layernorm.weight", (cfg.hidden,)), cfg.rms_eps)
-        self.post_attention_norm = RMSNorm(
-            ckpt.read(f"{prefix}.post_attention_layernorm.weight", (cfg.hidden,)), cfg.rms_eps
-        )
+        prefix, alloc = f"model.layers.{i}", Alloc(dtype, parallel.device)
+        self.input_norm = RMSNorm(alloc, f"{prefix}.input_layernorm", cfg.hidden, cfg.rms_eps)
+        self.post_attention_norm = RMSNorm(alloc, f"{prefix}.post_attention_layernorm", cfg.hidden, cfg.rms_eps)
         attention = LatentAttention if cfg.attention.is_mla else Attention
-        self.attn = attention(ckpt, f"{prefix}.self_attn", f"{name}.attn", cfg, layer.sliding_window, parallel)
+        self.attn = attention(alloc, f"{prefix}.self_attn", f"{name}.attn", cfg, layer.sliding_window, parallel)
         if layer.moe is None:
-            self.mlp = DenseMLP(ckpt, f"{prefix}.mlp", cfg.hidden, layer.dense_intermediate, parallel)
+            self.mlp = DenseMLP(alloc, f"{prefix}.mlp", cfg.hidden, layer.dense_intermediate, parallel)
         else:
-            weights = read_moe_weights(ckpt, arch, prefix, layer.moe, RankShard.of(layer.moe, parallel))
-            self.mlp = MoELayer(layer.moe, weights, dtype=dtype, name=f"{name}.moe", sharded=True)
+            self.mlp = MoELayer(layer.moe, None, dtype=dtype, name=f"{name}.moe")
+            fmt = MoEFormat.of(stored, arch.names, prefix, layer.moe)
+            attach_moe_blocks(self.mlp, fmt, arch.names, RankShard.of(layer.moe, parallel))
 
     def forward(self, x_TD: torch.Tensor, positions_T: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         h_TD = x_TD + self.attn(self.input_norm(x_TD), positions_T, rotary)
@@ -114,41 +154,42 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    """`stored`: the names of the start-up checkpoint's tensors, which decide how MoE layers are
+    read (Mixtral's or transformers 5's block name, stacked or per-expert); no tensor is read."""
+
     def __init__(
-        self, ckpt: Checkpoint, arch: Architecture, cfg: ModelConfig, parallel: ParallelState, dtype: torch.dtype
+        self, cfg: ModelConfig, arch: Architecture, parallel: ParallelState, dtype: torch.dtype, stored: Container[str]
     ):
         super().__init__()
         check_layout(cfg, parallel.layout)
         self.cfg, self.arch, self.parallel, self.dtype = cfg, arch, parallel, dtype
-        self.embed = self.build_part(ckpt, "embed")
+        alloc = Alloc(dtype, parallel.device)
+        self.embed = VocabParallelEmbedding(alloc, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel)
         self.rotary = Rotary(cfg.rope, cfg.max_positions, parallel.device)
-        self.layers = nn.ModuleList(self.build_part(ckpt, i) for i in range(len(cfg.layers)))
-        self.norm = self.build_part(ckpt, "norm")
-        self.lm_head = self.embed if cfg.tie_embeddings else self.build_part(ckpt, "lm_head")
+        # Layer names are unique per process: the attention op and the MoE op find layers by name.
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, arch, i, f"model{next(_instances)}.{i}", parallel, dtype, stored)
+            for i in range(len(cfg.layers))
+        )
+        self.norm = RMSNorm(alloc, "model.norm", cfg.hidden, cfg.rms_eps)
+        self.lm_head = (
+            self.embed
+            if cfg.tie_embeddings
+            else VocabParallelEmbedding(alloc, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
+        )
         self.comm = TPComm(parallel)
 
     def parts(self) -> list[str | int]:
-        """The model's pieces as the loader builds them: "embed", each layer's index, "norm", "lm_head"."""
+        """The model's pieces as the loader fills them: "embed", each layer's index, "norm", "lm_head"."""
         return ["embed", *range(len(self.layers)), "norm"] + ([] if self.cfg.tie_embeddings else ["lm_head"])
 
-    def build_part(self, source: TensorSource, part: str | int) -> nn.Module:
-        cfg, parallel = self.cfg, self.parallel
-        if part == "embed":
-            return VocabParallelEmbedding(source, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel)
-        if part == "lm_head":
-            return VocabParallelEmbedding(source, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
-        if part == "norm":
-            return RMSNorm(source.read("model.norm.weight", (cfg.hidden,)), cfg.rms_eps)
-        # Layer names are unique per process: the attention op and the MoE op find layers by name.
-        return DecoderLayer(source, self.arch, cfg, part, f"model{next(_instances)}.{part}", parallel, self.dtype)
+    def part(self, part: str | int) -> nn.Module:
+        return self.layers[part] if isinstance(part, int) else getattr(self, part)
 
     def load_part(self, source: TensorSource, part: str | int) -> None:
-        """Read `part` again from `source` (this rank's blocks, as at start-up), into the existing tensors:
-        the extra memory is one part."""
-        current = self.layers[part] if isinstance(part, int) else getattr(self, part)
-        fresh = self.build_part(source, part)
-        for mine, new in zip(current.parameters(), fresh.parameters(), strict=True):
-            mine.data.copy_(new)
+        """Read `part` again from `source` (this rank's blocks, as at start-up) into the existing
+        parameters, a block at a time."""
+        load_weights(self, source, [part])
 
     def forward(self, ids_T: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         """[T] token ids and positions (T a multiple of TP under SP) → final hidden rows [T, D]."""
@@ -159,6 +200,12 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden_ND: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden_ND).float()
+
+    def derived_owners(self) -> list[object]:
+        """The objects that own this model's derived tensors (runtime.derived): its modules and its
+        MoE layers' dispatchers. Another model in the same process owns its own."""
+        modules = list(self.modules())
+        return modules + [d for m in modules if isinstance(m, MoELayer) for d in m.dispatchers.values()]
 
     def cache_specs(self) -> list[CacheSpec]:
         return [layer.attn.cache_spec() for layer in self.layers]
@@ -176,10 +223,10 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> Cau
     """This rank's part of the model in `directory`, for the current layout (every rank calls this)."""
     cfg, arch = load_config(directory)
     parallel = get_parallel_state()
-    ckpt = Checkpoint(directory, dtype, parallel.device)
-    model, error = None, None
+    ckpt = Checkpoint(directory)
+    model, error = CausalLM(cfg, arch, parallel, dtype, stored=ckpt), None
     try:
-        model = CausalLM(ckpt, arch, cfg, parallel, dtype)
+        load_weights(model, ckpt)
     except CheckpointError as exc:
         error = str(exc)
     ckpt.finish(unused_ok=lambda name: unused_by_design(name, cfg), error=error)
@@ -187,7 +234,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> Cau
 
 
 def part_of(name: str) -> str | int | None:
-    """The part (see CausalLM.parts) whose construction reads checkpoint tensor `name`."""
+    """The part (see CausalLM.parts) whose parameters are read from checkpoint tensor `name`."""
     layer = re.match(r"model\.layers\.(\d+)\.", name)
     if layer is not None:
         return int(layer[1])

@@ -19,7 +19,7 @@ from moeshard.runtime.graph import compile_for_serving
 from moeshard.runtime.memory import fill_garbage
 from moeshard.models.kv_cache import AttentionMetadata, allocate, attention_context
 from moeshard.models.model import CausalLM
-from moeshard.moe.config import CommMethod, SelectionPolicy
+from moeshard.moe import CommMethod, SelectionPolicy
 from moeshard.moe.context import moe_forward_context
 
 BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # compiled batch sizes; eager above the largest
@@ -64,7 +64,7 @@ class ModelRunner:
         return rows, compiled
 
     @torch.no_grad()
-    def step(self, chunks: list[Chunk], all_logits: bool = False) -> list[torch.Tensor]:
+    def run_chunks(self, chunks: list[Chunk], all_logits: bool = False) -> list[torch.Tensor]:
         """Each chunk's logits (fp32): its last row [vocab], or with `all_logits` every row [n, vocab].
 
         Every rank calls this in lock-step; a rank with no chunks passes [] (and gets []).

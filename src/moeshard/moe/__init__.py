@@ -1,6 +1,7 @@
 """The MoE layer: router, experts, dispatch (one module per method), runtime-aware reductions."""
 
-from moeshard.moe.config import CommMethod, MoEConfig, RouterConfig, SelectionPolicy, SharedLayout
+from moeshard.moe.config import MoEConfig, RouterConfig, SelectionPolicy, SharedLayout
+from moeshard.moe.dispatch import CommMethod
 from moeshard.moe.context import ForwardContext, get_forward_context, moe_forward_context
 from moeshard.moe.layer import MoELayer
 from moeshard.moe.reference import reference_moe

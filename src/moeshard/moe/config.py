@@ -1,40 +1,18 @@
 """What an MoE layer is: sizes, router, shared experts. Frozen; hashable; no tensors.
 
-Shape legend used across moeshard.moe:
+Shape legend used across moeshard.moe (and models/, which adds its own letters; docs/DESIGN.md §10):
     T  tokens on this rank (the layer's input rows)     D  hidden size
     E  experts (global)                                  L  experts on this rank
     K  experts per token (top-k)                         I  expert intermediate size (this rank's shard)
     F  2 × I: gate and up projections, fused             P  (token, expert) pairs = rows × K
-    M  rows handed to the grouped expert GEMM            W  ranks in a group
-    C  MC2 slots per destination rank
+    R  rows where a method computes (after prepare)      M  rows handed to the grouped expert GEMM
+    W  ranks in a group                                  C  MC2 slots per destination rank
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-
-class CommMethod(enum.Enum):
-    ALLGATHER = "allgather"
-    ALLTOALL = "alltoall"
-    MC2 = "mc2"
-    FUSED_MC2 = "fused_mc2"
-
-    @property
-    def needs_ep(self) -> bool:
-        return self is not CommMethod.ALLGATHER
-
-    @classmethod
-    def parse(cls, text: str) -> "CommMethod | None":
-        """`auto` → None (the policy chooses); otherwise the method of that name."""
-        if text == "auto":
-            return None
-        try:
-            return cls(text.lower())
-        except ValueError:
-            names = ", ".join(["auto", *(m.value for m in cls)])
-            raise ValueError(f"unknown communication method {text!r}; choose one of {names}.") from None
 
 
 class SharedLayout(enum.Enum):
@@ -92,7 +70,7 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class SelectionPolicy:
-    """How the communication method is chosen per forward (DESIGN.md §2)."""
+    """How the communication method is chosen per forward (docs/DESIGN.md §2)."""
 
     mc2_capacity: int = 256  # max tokens per rank an MC2 buffer holds
     fused_mc2: bool = False  # prefer FUSED_MC2 where MC2 would be chosen

@@ -10,7 +10,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from moeshard.moe.config import CommMethod, SelectionPolicy
+from moeshard.moe.config import SelectionPolicy
+from moeshard.moe.dispatch import DISPATCHERS, CommMethod
 from moeshard.parallel import state
 from moeshard.parallel.layout import Layout
 
@@ -19,7 +20,6 @@ from moeshard.parallel.layout import Layout
 class ForwardContext:
     method: CommMethod
     num_tokens: int  # max MoE-input rows over all ranks: every rank pads to this
-    tokens_per_rank: tuple[int, ...]
 
 
 def method_policy(text: str) -> tuple[CommMethod | None, SelectionPolicy]:
@@ -31,25 +31,31 @@ def method_policy(text: str) -> tuple[CommMethod | None, SelectionPolicy]:
 
 def check_method(force: CommMethod | None, layout: Layout) -> None:
     """Refuse forcing a method the layout cannot run (before any rank starts, where possible)."""
-    if force is not None and force.needs_ep and not layout.ep and layout.world_size > 1:
+    if force is not None and DISPATCHERS[force].needs_ep and not layout.ep and layout.world_size > 1:
         raise ValueError(f"{force.name} needs expert parallelism, but layout {layout.label()} runs with EP off.")
 
 
 def select_method(num_tokens: int, ep_size: int, policy: SelectionPolicy, force: CommMethod | None) -> CommMethod:
-    """DESIGN.md §2: no EP → ALLGATHER; fits MC2's capacity → MC2 (or FUSED_MC2); else ALLTOALL."""
+    """docs/DESIGN.md §2, from the methods' own facts: of the methods that can run this step (EP if
+    they need it, within their token capacity, enabled by the policy), the highest `auto_priority`.
+    For today's four: no EP → ALLGATHER; fits MC2's capacity → MC2 (or FUSED_MC2); else ALLTOALL."""
     if force is not None:
         check_method(force, state.get_parallel_state().layout)
-        if force in (CommMethod.MC2, CommMethod.FUSED_MC2) and num_tokens > policy.mc2_capacity:
+        capacity = DISPATCHERS[force].token_capacity(policy)
+        if capacity is not None and num_tokens > capacity:
             raise ValueError(
                 f"{force.name} was forced for {num_tokens} tokens per rank, over its capacity of "
-                f"{policy.mc2_capacity}; raise mc2_capacity or use ALLTOALL."
+                f"{capacity}; raise mc2_capacity or use ALLTOALL."
             )
         return force
-    if ep_size == 1:
-        return CommMethod.ALLGATHER
-    if num_tokens <= policy.mc2_capacity:
-        return CommMethod.FUSED_MC2 if policy.fused_mc2 else CommMethod.MC2
-    return CommMethod.ALLTOALL
+    runnable = [
+        (cls.auto_priority, method)
+        for method, cls in DISPATCHERS.items()
+        if (ep_size > 1 or not cls.needs_ep)
+        and cls.auto_enabled(policy)
+        and (cls.token_capacity(policy) is None or num_tokens <= cls.token_capacity(policy))
+    ]
+    return max(runnable, key=lambda pair: pair[0])[1]
 
 
 _current: ForwardContext | None = None
@@ -71,10 +77,9 @@ def moe_forward_context(
     """
     global _current
     parallel = state.get_parallel_state()
-    counts = tuple(state.gather_ints(num_local_tokens, parallel.ep_group))
-    num_tokens = max(counts)
+    num_tokens = max(state.gather_ints(num_local_tokens, parallel.ep_group))
     method = select_method(num_tokens, parallel.layout.ep_size, policy, force)
-    previous, _current = _current, ForwardContext(method, num_tokens, counts)
+    previous, _current = _current, ForwardContext(method, num_tokens)
     try:
         yield _current
     finally:

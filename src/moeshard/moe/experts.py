@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeshard.moe.weights import empty_param
+
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -50,18 +52,15 @@ def grouped_linear(x_MD: torch.Tensor, w_LDN: torch.Tensor, group_ends_L: torch.
 
 
 class GroupedExperts(nn.Module):
-    """SwiGLU experts: `down(silu(gate(x)) * up(x))`."""
+    """SwiGLU experts: `down(silu(gate(x)) * up(x))`; allocated empty, filled by the layer or a loader."""
 
-    def __init__(self, gate_up_LFD: torch.Tensor, down_LDI: torch.Tensor):
+    def __init__(self, num_local: int, hidden: int, intermediate: int, dtype: torch.dtype, device):
         super().__init__()
+        L, D, I = num_local, hidden, intermediate
         # Kept in Hugging Face's [out, in] layout and read through transposed views: on CPUs without
         # native bf16, a contiguous [in, out] operand takes a matmul path several times slower.
-        self.w13_LFD = nn.Parameter(gate_up_LFD.contiguous(), requires_grad=False)
-        self.w2_LDI = nn.Parameter(down_LDI.contiguous(), requires_grad=False)
-
-    @property
-    def num_local(self) -> int:
-        return self.w13_LFD.shape[0]
+        self.w13_LFD = empty_param((L, 2 * I, D), dtype, device)
+        self.w2_LDI = empty_param((L, D, I), dtype, device)
 
     def forward(self, x_MD: torch.Tensor, group_ends_L: torch.Tensor) -> torch.Tensor:
         return grouped_swiglu(x_MD, self.w13_LFD, self.w2_LDI, group_ends_L)

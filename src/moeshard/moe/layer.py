@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 from moeshard.runtime.graph import serving_op
-from moeshard.moe.config import CommMethod, MoEConfig
+from moeshard.moe.config import MoEConfig
 from moeshard.moe.context import get_forward_context
-from moeshard.moe.dispatch import DISPATCHERS
+from moeshard.moe.dispatch import DISPATCHERS, CommMethod
 from moeshard.moe.experts import GroupedExperts
 from moeshard.moe.reduce import Point, ReductionPlan, reduce_at
 from moeshard.moe.router import Router
 from moeshard.moe.shared import SharedExperts
-from moeshard.moe.weights import MoEWeights, RankShard
+from moeshard.moe.weights import MoEShard, MoEWeights, RankShard
 from moeshard.parallel.state import get_parallel_state
 
 # Custom ops find their layer by name (a string survives tracing; a module reference does not).
@@ -38,23 +38,22 @@ def get_layer(name: str) -> "MoELayer":
 
 
 class MoELayer(nn.Module):
-    """One MoE layer on this rank, built from the full weights for the current parallel layout.
+    """One MoE layer on this rank, for the current parallel layout.
 
     Input and output: [T, D] — the DP group's rows (replicated over TP), or under SP this rank's
     slice. The output is complete (every partial sum reduced exactly once).
 
-    `weights` are the full weights, or with `sharded=True` already this rank's slices
-    (`MoEWeights.shard(RankShard.of(cfg, parallel))`, as a checkpoint loader reads them).
+    The parameters are this rank's slices (see RankShard), allocated from `cfg`: with `weights`
+    (full MoEWeights) its slices are copied in; with None they are left for a model's loader.
     """
 
     def __init__(
         self,
         cfg: MoEConfig,
-        weights: MoEWeights,
+        weights: MoEWeights | None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         dtype: torch.dtype = torch.float32,
         name: str | None = None,
-        sharded: bool = False,
     ):
         super().__init__()
         self.cfg = cfg.validate()
@@ -68,16 +67,43 @@ class MoELayer(nn.Module):
             raise ValueError(f"an MoE layer named {self.name!r} already exists; layer names must be unique.")
         _LAYERS[self.name] = self
         self.dtype = dtype
-        if not sharded:
-            weights = weights.shard(RankShard.of(cfg, parallel))
-        weights = weights.to(dtype, parallel.device)
-        self.router = Router(cfg.router, weights.router_ED, weights.score_bias_E)
-        self.experts = GroupedExperts(weights.gate_up_EFD, weights.down_EDI)
-        self.shared = SharedExperts(cfg, weights, parallel) if cfg.has_shared else None
+        shard, device = RankShard.of(cfg, parallel), parallel.device
+        self.router = Router(cfg.router, cfg.num_experts, cfg.hidden, device)
+        self.experts = GroupedExperts(len(shard.experts), cfg.hidden, cfg.intermediate // shard.parts, dtype, device)
+        self.shared = SharedExperts(cfg, shard, parallel, dtype) if cfg.has_shared else None
+        if weights is not None:
+            self.copy_in(weights.shard(shard))
         self.transform = transform
         self.plan = ReductionPlan.for_layer(cfg.shared_layout if cfg.has_shared else None, transform is not None, layout)
-        runnable = list(CommMethod) if layout.ep or layout.world_size == 1 else [CommMethod.ALLGATHER]
-        self.dispatchers = {m: DISPATCHERS[m](cfg.num_experts, parallel) for m in runnable}
+        self.dispatchers = {
+            method: cls(cfg.num_experts, parallel)
+            for method, cls in DISPATCHERS.items()
+            if not cls.needs_ep or layout.ep or layout.world_size == 1
+        }
+
+    def shard_params(self) -> dict[str, nn.Parameter | None]:
+        """The parameter holding each MoEShard field (None where this layer holds none)."""
+        shared = self.shared
+        return dict(
+            router_ED=self.router.weight_ED,
+            gate_up_LFD=self.experts.w13_LFD,
+            down_LDI=self.experts.w2_LDI,
+            score_bias_E=self.router.score_bias_E,
+            shared_gate_up_FD=None if shared is None else shared.gate_up_FD,
+            shared_down_DI=None if shared is None else shared.down_DI,
+            shared_gate_1D=None if shared is None else shared.gate_1D,
+        )
+
+    def copy_in(self, shard: MoEShard) -> None:
+        """Write this rank's slices into the parameters (converted to their dtype and device)."""
+        for name, param in self.shard_params().items():
+            t = getattr(shard, name)
+            if (param is None) != (t is None) or (t is not None and t.shape != param.shape):
+                expected = "no tensor" if param is None else f"shape {list(param.shape)}"
+                got = "none" if t is None else f"shape {list(t.shape)}"
+                raise ValueError(f"MoE layer {self.name!r}: {name} is {got}, but the config implies {expected}.")
+            if param is not None:
+                param.data.copy_(t)
 
     def check_input(self, x_TD: torch.Tensor) -> None:
         if x_TD.dim() != 2 or x_TD.shape[1] != self.cfg.hidden or x_TD.dtype != self.dtype:
@@ -113,7 +139,7 @@ def routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     """Dispatch → experts → combine with the method live in this forward's context."""
     layer = get_layer(layer_name)
     ctx = get_forward_context()
-    return layer.dispatchers[ctx.method].run(x_TD, topk_ids_TK, topk_weights_TK, layer.experts, ctx)
+    return layer.dispatchers[ctx.method].run(x_TD, topk_ids_TK, topk_weights_TK, layer.experts, ctx.num_tokens)
 
 
 @routed_experts.register_fake

@@ -1,4 +1,4 @@
-"""Runtime-aware reductions: DESIGN.md §3, in one place.
+"""Runtime-aware reductions: docs/DESIGN.md §3, in one place.
 
 A point *exists* in the graph by the layer's static configuration (decided in Python, also while
 tracing). Whether an existing point *all-reduces* depends on the live communication method, so that
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.runtime.graph import serving_op
-from moeshard.moe.config import CommMethod, SharedLayout
+from moeshard.moe.config import SharedLayout
 from moeshard.moe.context import get_forward_context
+from moeshard.moe.dispatch import DISPATCHERS, CommMethod
 from moeshard.parallel import state
 from moeshard.parallel.layout import Layout
 
@@ -36,10 +37,9 @@ class Point(enum.Enum):
 
 
 def already_reduced(method: CommMethod, sp: bool) -> bool:
-    """Is the routed output complete (not a partial sum over TP) when `method` returns it?"""
-    return method in (CommMethod.ALLTOALL, CommMethod.MC2, CommMethod.FUSED_MC2) or (
-        method is CommMethod.ALLGATHER and sp
-    )
+    """Is the routed output complete (not a partial sum over TP) when `method` returns it? Each
+    method declares it: ALLGATHER only under SP; ALLTOALL, MC2 and FUSED_MC2 always."""
+    return DISPATCHERS[method].output_is_reduced(sp)
 
 
 @dataclass(frozen=True)

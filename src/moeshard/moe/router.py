@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from moeshard.moe.config import RouterConfig
+from moeshard.moe.weights import empty_param
 
 
 def route(logits_TE: torch.Tensor, cfg: RouterConfig, score_bias_E: torch.Tensor | None = None):
@@ -37,11 +38,13 @@ def route(logits_TE: torch.Tensor, cfg: RouterConfig, score_bias_E: torch.Tensor
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: RouterConfig, weight_ED: torch.Tensor, score_bias_E: torch.Tensor | None):
+    """Allocated empty (fp32, whatever the layer's dtype); MoELayer or a model loader fills it."""
+
+    def __init__(self, cfg: RouterConfig, num_experts: int, hidden: int, device):
         super().__init__()
         self.cfg = cfg
-        self.weight_ED = nn.Parameter(weight_ED.float(), requires_grad=False)
-        self.score_bias_E = None if score_bias_E is None else nn.Parameter(score_bias_E.float(), requires_grad=False)
+        self.weight_ED = empty_param((num_experts, hidden), torch.float32, device)
+        self.score_bias_E = empty_param((num_experts,), torch.float32, device) if cfg.score_bias else None
 
     def forward(self, x_TD: torch.Tensor):
         return route(x_TD.float() @ self.weight_ED.T, self.cfg, self.score_bias_E)

@@ -14,22 +14,21 @@ from torch import nn
 
 from moeshard.moe.config import MoEConfig, SharedLayout
 from moeshard.moe.functional import pad_rows, swiglu
-from moeshard.moe.weights import MoEWeights
+from moeshard.moe.weights import RankShard, empty_param
 from moeshard.parallel import ops
 from moeshard.parallel.state import ParallelState
 
 
 class SharedExperts(nn.Module):
-    def __init__(self, cfg: MoEConfig, weights: MoEWeights, parallel: ParallelState):
-        """`weights`: this rank's slices (MoEWeights.shard)."""
+    """Allocated empty (this rank's part, see RankShard); filled by the MoE layer or a loader."""
+
+    def __init__(self, cfg: MoEConfig, shard: RankShard, parallel: ParallelState, dtype: torch.dtype):
         super().__init__()
         self.layout = cfg.shared_layout
         self.tp, self.tp_rank, self.sp = parallel.layout.tp, parallel.tp_rank, parallel.layout.sp
-        gate_up_FD, down_DI = weights.shared_gate_up_FD, weights.shared_down_DI
-        self.gate_up_FD = nn.Parameter(gate_up_FD.contiguous(), requires_grad=False)
-        self.down_DI = nn.Parameter(down_DI.contiguous(), requires_grad=False)
-        gate = weights.shared_gate_1D
-        self.gate_1D = None if gate is None else nn.Parameter(gate.clone(), requires_grad=False)
+        D, S, device = cfg.hidden, cfg.shared_intermediate // shard.shared_parts, parallel.device
+        self.gate_up_FD, self.down_DI = empty_param((2 * S, D), dtype, device), empty_param((D, S), dtype, device)
+        self.gate_1D = empty_param((1, D), dtype, device) if cfg.shared_gate else None
 
     def mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
         y_TD = swiglu(x_TD, self.gate_up_FD, self.down_DI)

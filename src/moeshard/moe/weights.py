@@ -1,6 +1,7 @@
-"""Full (unsharded) MoE weights, in Hugging Face's layout (`y = x @ W.T`), and their random init.
+"""Full (unsharded) MoE weights, in Hugging Face's layout (`y = x @ W.T`), their random init, and
+one rank's slices of them.
 
-The layer takes its rank's slices of these; the reference runs on them whole.
+The layer copies in its rank's slices (`MoEWeights.shard`); the reference runs on them whole.
 """
 
 from __future__ import annotations
@@ -8,9 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+from torch import nn
 
 from moeshard.moe.config import MoEConfig, SharedLayout
 from moeshard.parallel.state import ParallelState
+
+
+def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
+    """An inference weight with undefined contents, to be filled in place (its identity stays)."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 @dataclass(frozen=True)
@@ -58,14 +65,14 @@ class MoEWeights:
 
         return MoEWeights(**{f.name: convert(f.name, getattr(self, f.name)) for f in fields(self)})
 
-    def shard(self, shard: RankShard) -> "MoEWeights":
+    def shard(self, shard: RankShard) -> "MoEShard":
         """This rank's slices (see RankShard) of full weights."""
         block = slice(shard.experts.start, shard.experts.stop)
         shared = self.shared_gate_up_FD is not None
-        return MoEWeights(
+        return MoEShard(
             router_ED=self.router_ED,
-            gate_up_EFD=shard_gate_up(self.gate_up_EFD[block], shard.part, shard.parts),
-            down_EDI=shard_down(self.down_EDI[block], shard.part, shard.parts),
+            gate_up_LFD=shard_gate_up(self.gate_up_EFD[block], shard.part, shard.parts),
+            down_LDI=shard_down(self.down_EDI[block], shard.part, shard.parts),
             score_bias_E=self.score_bias_E,
             shared_gate_up_FD=shard_gate_up(self.shared_gate_up_FD, shard.shared_part, shard.shared_parts) if shared else None,
             shared_down_DI=shard_down(self.shared_down_DI, shard.shared_part, shard.shared_parts) if shared else None,
@@ -90,6 +97,20 @@ class MoEWeights:
             shared_down_DI=normal(D, S, fan_in=S) if S else None,
             shared_gate_1D=normal(1, D, fan_in=D) if S and cfg.shared_gate else None,
         )
+
+
+@dataclass
+class MoEShard:
+    """One rank's slices of MoEWeights: the L experts it holds, each expert's and the shared
+    experts' intermediate dim cut to this rank's part (F = 2 × I of the part)."""
+
+    router_ED: torch.Tensor
+    gate_up_LFD: torch.Tensor
+    down_LDI: torch.Tensor
+    score_bias_E: torch.Tensor | None = None
+    shared_gate_up_FD: torch.Tensor | None = None
+    shared_down_DI: torch.Tensor | None = None
+    shared_gate_1D: torch.Tensor | None = None
 
 
 def shard_gate_up(gate_up_FD: torch.Tensor, part: int, parts: int) -> torch.Tensor:

@@ -29,6 +29,16 @@ class Layout:
     def ep_size(self) -> int:
         return self.world_size if self.ep else 1
 
+    def rank(self, dp_rank: int, tp_rank: int) -> int:
+        """The global rank of TP rank `tp_rank` in DP group `dp_rank`."""
+        return dp_rank * self.tp + tp_rank
+
+    def tp_group_ranks(self, dp_rank: int) -> list[int]:
+        return [self.rank(dp_rank, t) for t in range(self.tp)]
+
+    def dp_group_ranks(self, tp_rank: int) -> list[int]:
+        return [self.rank(d, tp_rank) for d in range(self.dp)]
+
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 

@@ -83,11 +83,11 @@ def _build(layout: Layout) -> ParallelState:
     rank = dist.get_rank()
     tp_group = dp_group = None
     for d in range(layout.dp):
-        group = dist.new_group([d * layout.tp + t for t in range(layout.tp)])
+        group = dist.new_group(layout.tp_group_ranks(d))
         if layout.dp_rank(rank) == d:
             tp_group = group
     for t in range(layout.tp):
-        group = dist.new_group([d * layout.tp + t for d in range(layout.dp)])
+        group = dist.new_group(layout.dp_group_ranks(t))
         if layout.tp_rank(rank) == t:
             dp_group = group
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -1,5 +1,5 @@
 """Derived tensors: everything computed at start-up from configuration or weights and kept outside
-the weights (DESIGN.md §5) — expert maps and the local-expert table of every dispatcher, RoPE
+the weights (docs/DESIGN.md §5) — expert maps and the local-expert table of every dispatcher, RoPE
 tables — registered in one place with the function that computes them.
 
 After a sleep their memory is gone; after a wake it holds whatever was there (poison makes that
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -46,23 +46,22 @@ def tensors_of(value: object) -> list[torch.Tensor]:
     return []
 
 
-def registered_tensors(owners: set[int] | None = None) -> list[torch.Tensor]:
-    """The tensors of every entry (or only of entries whose owner's id is in `owners`)."""
-    return [
-        t
-        for owner, attr, _ in live()
-        if owners is None or id(owner) in owners
-        for t in tensors_of(getattr(owner, attr))
-    ]
+def entries_of(owners: Iterable[object] | None) -> Iterator[tuple[object, str, Callable[[], object]]]:
+    """Every live entry, or those of `owners` (another engine in the process keeps its own)."""
+    ids = None if owners is None else {id(owner) for owner in owners}
+    return (entry for entry in live() if ids is None or id(entry[0]) in ids)
 
 
-def rebuild(owners: set[int] | None = None) -> int:
+def registered_tensors(owners: Iterable[object] | None = None) -> list[torch.Tensor]:
+    """The tensors of every entry (or only of the entries of `owners`)."""
+    return [t for owner, attr, _ in entries_of(owners) for t in tensors_of(getattr(owner, attr))]
+
+
+def rebuild(owners: Iterable[object] | None = None) -> int:
     """Recompute registered tensors in place (same tensor objects, fresh storage): every entry, or
-    those whose owner's id is in `owners`. Returns the new generation."""
+    those of `owners`. Returns the new generation."""
     global generation
-    for owner, attr, compute in live():
-        if owners is not None and id(owner) not in owners:
-            continue
+    for owner, attr, compute in entries_of(owners):
         for current, fresh in zip(tensors_of(getattr(owner, attr)), tensors_of(compute()), strict=True):
             current.data = fresh
     generation += 1

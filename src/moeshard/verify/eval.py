@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from moeshard.bundled.arithmetic import HELD_OUT, held_out
 from moeshard.engine import LLM, SamplingParams
-from moeshard.moe.config import CommMethod
+from moeshard.moe import CommMethod
 from moeshard.moe.context import check_method
 from moeshard.parallel import Layout
 

@@ -18,7 +18,7 @@ from moeshard.engine.block_manager import BlockManager
 from moeshard.models.checkpoint import Checkpoint
 from moeshard.models.model import check_layout, load_config, load_model
 from moeshard.models.runner import Chunk, ModelRunner
-from moeshard.moe.config import CommMethod
+from moeshard.moe import CommMethod
 from moeshard.moe.context import check_method, method_policy
 from moeshard.parallel import Layout, set_layout
 from moeshard.parallel.launch import open_layout
@@ -69,7 +69,7 @@ def rank_run(request: Request) -> dict[int, tuple[list[torch.Tensor], list[int]]
     tables = [[] for _ in prompts]
     for table, prompt in zip(tables, prompts):
         blocks.grow(table, len(prompt))
-    logits = [[step] for step in runner.step([Chunk(p, 0, t) for p, t in zip(prompts, tables)], all_logits=True)]
+    logits = [[step] for step in runner.run_chunks([Chunk(p, 0, t) for p, t in zip(prompts, tables)], all_logits=True)]
     generated: list[list[int]] = [[] for _ in prompts]
     for _ in range(request.steps):
         chunks = []
@@ -77,7 +77,7 @@ def rank_run(request: Request) -> dict[int, tuple[list[torch.Tensor], list[int]]
             gen.append(int(steps[-1][-1].argmax()))
             blocks.grow(table, len(prompt) + len(gen))
             chunks.append(Chunk(gen[-1:], len(prompt) + len(gen) - 1, table))
-        for steps, step_logits in zip(logits, runner.step(chunks)):
+        for steps, step_logits in zip(logits, runner.run_chunks(chunks)):
             steps.append(step_logits.unsqueeze(0))
     if parallel.tp_rank != 0:
         return {}

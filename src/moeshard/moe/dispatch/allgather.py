@@ -10,14 +10,14 @@ are disjoint:
 
 from __future__ import annotations
 
-from moeshard.moe.config import CommMethod
-from moeshard.moe.dispatch.base import Dispatched, Prepared, TokenDispatcher, pad_routing, sum_over_topk, unsort
+from moeshard.moe.dispatch.base import Dispatched, Prepared, Staged, TokenDispatcher, pad_routing, sum_over_topk, unsort
 from moeshard.moe.experts import group_by_expert
 from moeshard.parallel import state
 
 
-class AllGatherDispatcher(TokenDispatcher):
-    method = CommMethod.ALLGATHER
+class AllGatherDispatcher(Staged, TokenDispatcher):
+    name = "allgather"
+    needs_ep = False  # the only method for EP off; with EP on, selection prefers the others
 
     def __init__(self, num_experts, parallel):
         super().__init__(num_experts, parallel)
@@ -27,8 +27,13 @@ class AllGatherDispatcher(TokenDispatcher):
         else:
             self.group = parallel.dp_group if layout.ep else None
 
-    def prepare(self, x_TD, topk_ids_TK, topk_weights_TK, ctx):
-        padded = pad_routing(x_TD, topk_ids_TK, topk_weights_TK, ctx.num_tokens)
+    @classmethod
+    def output_is_reduced(cls, sp):
+        # Without SP each TP rank computes every row with its slice of the experts: a partial sum.
+        return sp
+
+    def prepare(self, x_TD, topk_ids_TK, topk_weights_TK, num_tokens):
+        padded = pad_routing(x_TD, topk_ids_TK, topk_weights_TK, num_tokens)
         if self.group is not None:
             padded = tuple(state.all_gather(tensor, self.group) for tensor in padded)
         return Prepared(*padded, input_rows=x_TD.shape[0])

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from moeshard.moe.config import CommMethod
-from moeshard.moe.dispatch.base import Dispatched, ExpertParallelDispatcher, sum_over_topk, unsort
+from moeshard.moe.dispatch.base import Dispatched, ExpertParallelDispatcher, Staged, sum_over_topk, unsort
 from moeshard.moe.experts import group_by_expert
 from moeshard.parallel import state
 
 
-class AllToAllDispatcher(ExpertParallelDispatcher):
-    method = CommMethod.ALLTOALL
+class AllToAllDispatcher(Staged, ExpertParallelDispatcher):
+    name = "alltoall"
+    auto_priority = 1  # any batch size, at the price of a host sync
 
     def dispatch(self, prepared):
         group, W = self.parallel.ep_group, self.parallel.layout.ep_size

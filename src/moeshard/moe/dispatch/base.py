@@ -15,19 +15,35 @@ moeshard.runtime.derived.
 from __future__ import annotations
 
 import abc
+import enum
 import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from moeshard.runtime import derived
-from moeshard.moe.config import CommMethod
-from moeshard.moe.context import ForwardContext
+from moeshard.moe.config import SelectionPolicy
 from moeshard.moe.experts import GroupedExperts
 from moeshard.moe.functional import pad_rows
 from moeshard.parallel import state
 from moeshard.parallel.state import ParallelState
+from moeshard.runtime import derived
+
+
+class MethodEnum(enum.Enum):
+    """The base of `CommMethod`, whose members moe/dispatch/__init__.py makes from the registered
+    dispatchers' names."""
+
+    @classmethod
+    def parse(cls, text: str) -> "MethodEnum | None":
+        """`auto` → None (the policy chooses); otherwise the method of that name."""
+        if text == "auto":
+            return None
+        try:
+            return cls(text.lower())
+        except ValueError:
+            names = ", ".join(["auto", *(m.value for m in cls)])
+            raise ValueError(f"unknown communication method {text!r}; choose one of {names}.") from None
 
 
 @dataclass(frozen=True)
@@ -71,15 +87,52 @@ def sum_over_topk(y_PD: torch.Tensor, topk_weights_RK: torch.Tensor) -> torch.Te
 
 
 class TokenDispatcher(abc.ABC):
-    method: ClassVar[CommMethod]
+    """prepare → routed (dispatch → experts → combine) → finalize, and the method's facts."""
+
+    name: ClassVar[str]  # the method's name: `--moe-comm NAME`, CommMethod(NAME)
+    needs_ep: ClassVar[bool] = True  # runs only when expert parallelism is on (or on one rank)
+    auto_priority: ClassVar[int] = 0  # among the methods that can run a step, selection takes the highest
 
     def __init__(self, num_experts: int, parallel: ParallelState):
         self.num_experts = num_experts
         self.parallel = parallel
         derived.register(self, "maps", functools.partial(build_expert_maps, num_experts, parallel))
 
+    @classmethod
     @abc.abstractmethod
-    def prepare(self, x_TD: torch.Tensor, topk_ids_TK, topk_weights_TK, ctx: ForwardContext) -> Prepared: ...
+    def output_is_reduced(cls, sp: bool) -> bool:
+        """Is the routed output complete (not a partial sum over TP) when this method returns it?"""
+
+    @classmethod
+    def token_capacity(cls, policy: SelectionPolicy) -> int | None:
+        """The most tokens per rank one step may bring (None: no limit)."""
+        return None
+
+    @classmethod
+    def auto_enabled(cls, policy: SelectionPolicy) -> bool:
+        """May automatic selection pick this method under `policy`?"""
+        return True
+
+    @abc.abstractmethod
+    def prepare(self, x_TD: torch.Tensor, topk_ids_TK, topk_weights_TK, num_tokens: int) -> Prepared:
+        """Pad to the step's `num_tokens` rows (the max over ranks) and bring the rows where this method computes."""
+
+    @abc.abstractmethod
+    def routed(self, prepared: Prepared, experts: GroupedExperts) -> torch.Tensor:
+        """Each prepared row's weighted sum of its K experts' outputs."""
+
+    @abc.abstractmethod
+    def finalize(self, y_RD: torch.Tensor, prepared: Prepared) -> torch.Tensor: ...
+
+    def run(self, x_TD, topk_ids_TK, topk_weights_TK, experts: GroupedExperts, num_tokens: int) -> torch.Tensor:
+        if num_tokens == 0:  # every rank agrees: nothing to send
+            return torch.zeros_like(x_TD)
+        prepared = self.prepare(x_TD, topk_ids_TK, topk_weights_TK, num_tokens)
+        return self.finalize(self.routed(prepared, experts), prepared)
+
+
+class Staged(abc.ABC):
+    """`routed` as three steps: dispatch pairs to the experts' owners, run the experts, combine."""
 
     @abc.abstractmethod
     def dispatch(self, prepared: Prepared) -> Dispatched: ...
@@ -87,18 +140,9 @@ class TokenDispatcher(abc.ABC):
     @abc.abstractmethod
     def combine(self, y_MD: torch.Tensor, dispatched: Dispatched, prepared: Prepared) -> torch.Tensor: ...
 
-    @abc.abstractmethod
-    def finalize(self, y_RD: torch.Tensor, prepared: Prepared) -> torch.Tensor: ...
-
-    def dispatch_experts_combine(self, prepared: Prepared, experts: GroupedExperts) -> torch.Tensor:
+    def routed(self, prepared: Prepared, experts: GroupedExperts) -> torch.Tensor:
         dispatched = self.dispatch(prepared)
         return self.combine(experts(dispatched.x_MD, dispatched.group_ends_L), dispatched, prepared)
-
-    def run(self, x_TD, topk_ids_TK, topk_weights_TK, experts: GroupedExperts, ctx: ForwardContext) -> torch.Tensor:
-        if ctx.num_tokens == 0:  # every rank agrees: nothing to send
-            return torch.zeros_like(x_TD)
-        prepared = self.prepare(x_TD, topk_ids_TK, topk_weights_TK, ctx)
-        return self.finalize(self.dispatch_experts_combine(prepared, experts), prepared)
 
 
 def pad_routing(x_TD, topk_ids_TK, topk_weights_TK, rows: int):
@@ -114,10 +158,14 @@ class ExpertParallelDispatcher(TokenDispatcher):
     already are its slice.
     """
 
-    def prepare(self, x_TD, topk_ids_TK, topk_weights_TK, ctx):
+    @classmethod
+    def output_is_reduced(cls, sp):
+        return True
+
+    def prepare(self, x_TD, topk_ids_TK, topk_weights_TK, num_tokens):
         layout, t = self.parallel.layout, self.parallel.tp_rank
         split = not layout.sp and layout.tp > 1
-        rows = -(-ctx.num_tokens // layout.tp) if split else ctx.num_tokens
+        rows = -(-num_tokens // layout.tp) if split else num_tokens
         padded = pad_routing(x_TD, topk_ids_TK, topk_weights_TK, rows * layout.tp if split else rows)
         if split:
             padded = tuple(tensor[t * rows : (t + 1) * rows] for tensor in padded)

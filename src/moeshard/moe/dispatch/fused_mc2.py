@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from moeshard.runtime.graph import serving_op
-from moeshard.moe.config import CommMethod
-from moeshard.moe.dispatch.base import sum_over_topk, unsort
-from moeshard.moe.dispatch.mc2 import MC2Dispatcher, mc2_slots
+from moeshard.moe.config import SelectionPolicy
+from moeshard.moe.dispatch.base import ExpertParallelDispatcher, sum_over_topk, unsort
+from moeshard.moe.dispatch.mc2 import MC2Capacity, mc2_slots
 from moeshard.moe.experts import group_by_expert, grouped_swiglu
 from moeshard.parallel import state
 
@@ -52,10 +52,15 @@ def _(x_RD, topk_ids_RK, topk_weights_RK, w13_LFD, w2_LDI, owner_E, local_index_
     return x_RD.new_empty(x_RD.shape)
 
 
-class FusedMC2Dispatcher(MC2Dispatcher):
-    method = CommMethod.FUSED_MC2
+class FusedMC2Dispatcher(MC2Capacity, ExpertParallelDispatcher):
+    name = "fused_mc2"
+    auto_priority = 3  # where MC2 fits and the policy opts in
 
-    def dispatch_experts_combine(self, prepared, experts):
+    @classmethod
+    def auto_enabled(cls, policy: SelectionPolicy) -> bool:
+        return policy.fused_mc2
+
+    def routed(self, prepared, experts):
         return fused_mc2(
             prepared.x_RD,
             prepared.topk_ids_RK,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeshard.moe.config import CommMethod
-from moeshard.moe.dispatch.base import Dispatched, ExpertParallelDispatcher, sum_over_topk, unsort
+from moeshard.moe.config import SelectionPolicy
+from moeshard.moe.dispatch.base import Dispatched, ExpertParallelDispatcher, Staged, sum_over_topk, unsort
 from moeshard.moe.experts import group_by_expert
 from moeshard.parallel import state
 
@@ -28,8 +28,17 @@ def mc2_slots(topk_ids_RK: torch.Tensor, owner_E: torch.Tensor, ep_size: int):
     return dest_P * capacity + position_P, capacity
 
 
-class MC2Dispatcher(ExpertParallelDispatcher):
-    method = CommMethod.MC2
+class MC2Capacity:
+    """MC2's buffers are sized for `policy.mc2_capacity` tokens per rank."""
+
+    @classmethod
+    def token_capacity(cls, policy: SelectionPolicy) -> int | None:
+        return policy.mc2_capacity
+
+
+class MC2Dispatcher(MC2Capacity, Staged, ExpertParallelDispatcher):
+    name = "mc2"
+    auto_priority = 2  # static shapes, no host sync: preferred wherever the batch fits
 
     def dispatch(self, prepared):
         group, W, L = self.parallel.ep_group, self.parallel.layout.ep_size, self.maps.num_local

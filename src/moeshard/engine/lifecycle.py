@@ -1,0 +1,217 @@
+"""Sleep, wake and weight updates for a colocated trainer (docs/DESIGN.md §5), both halves in one place.
+
+`EngineLifecycle` is the driver's half (the LLM object): it checks requests (tags, levels, an update
+validated whole against `WeightSchema` before anything is written) and knows what is released.
+`RankLifecycle` is each rank's half (the Worker): it releases and re-creates memory, restores or
+reloads weights, and recomputes the derived tensors of its own model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeshard.models.checkpoint import Checkpoint, TensorDict
+from moeshard.models.model import part_of, unused_by_design
+from moeshard.runtime import derived, memory
+
+TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True)
+class WeightSchema:
+    """The weights a complete update must carry: checkpoint name → (full shape, dtype)."""
+
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    @classmethod
+    def of(cls, directory: Path, cfg) -> "WeightSchema":
+        ckpt = Checkpoint(directory)
+        names = [n for n in ckpt.handles if not unused_by_design(n, cfg)]
+        return cls({n: (ckpt.shape(n), ckpt.stored_dtype(n)) for n in names})
+
+    def check_one(self, name: str, tensor) -> None:
+        if name not in self.tensors:
+            raise ValueError(f"update tensor {name!r} is not a weight of this model; nothing was written.")
+        shape, dtype = self.tensors[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"update entry {name!r} is a {type(tensor).__name__}, not a tensor.")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"update tensor {name!r} has shape {list(tensor.shape)}; the model's is {list(shape)}; "
+                "nothing was written."
+            )
+        if tensor.dtype != dtype:
+            raise ValueError(f"update tensor {name!r} is {tensor.dtype}; the model's is {dtype}; nothing was written.")
+
+    def check(self, named_tensors) -> dict[str | int, dict[str, torch.Tensor]]:
+        """The update grouped by model part, or a ValueError naming the first offending tensor."""
+        buckets: dict[str | int, dict[str, torch.Tensor]] = {}
+        stream, count = iter(named_tensors), 0
+        while True:
+            try:
+                name, tensor = next(stream)  # references only: nothing is copied here
+            except StopIteration:
+                break
+            except Exception as exc:  # the stream itself failed part-way
+                raise ValueError(f"the update stream failed after {count} tensors ({exc}); nothing was written.") from None
+            count += 1
+            self.check_one(name, tensor)
+            part = buckets.setdefault(part_of(name), {})
+            if name in part:
+                raise ValueError(f"update tensor {name!r} appears twice; nothing was written.")
+            part[name] = tensor
+        missing = [n for n in self.tensors if n not in buckets.get(part_of(n), {})]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ValueError(
+                f"the update ended without {missing[0]!r}{more}: an update carries every weight; nothing was written."
+            )
+        return buckets
+
+
+class EngineLifecycle:
+    """The driver's half. Expects `self.ranks` (`.call(method, *args)` on every rank's worker),
+    `self.directory` and `self.schema`; call `init_lifecycle()` from the engine's constructor."""
+
+    def init_lifecycle(self) -> None:
+        self.released: set[str] = set()  # memory a sleep released and no wake has re-created
+        self.weights_lost = False  # sleep(level=2) dropped the weights; reload before generating
+        # Negative controls only: with the rebuild off, derived tensors stay as the wake left them.
+        self.rebuild_derived = os.environ.get("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD") != "1"
+
+    def sleep(self, level: int = 1) -> list[float]:
+        """Release memory for a colocated trainer: level 1 backs the weights up to the host, level 2
+        drops them too; the KV cache never survives. Returns each rank's resident MiB."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}.")
+        if self.released:
+            raise RuntimeError("the engine is already asleep; call wake_up() first.")
+        rss = self.ranks.call("sleep", level)
+        self.released, self.weights_lost = set(TAGS), level == 2
+        return rss
+
+    def wake_up(self, tags: list[str] | None = None, poison: bool = False) -> list[float]:
+        """Re-create the memory `tags` name ("weights", "kv_cache"; default both). What is not
+        restored holds undefined contents; `poison` makes it garbage, so a stale read cannot hide.
+        Derived tensors are recomputed after the weights come back. Returns each rank's resident MiB."""
+        tags = list(TAGS) if tags is None else list(tags)
+        unknown = set(tags) - set(TAGS)
+        if unknown:
+            raise ValueError(f"unknown wake_up tag(s) {sorted(unknown)}; known: weights, kv_cache.")
+        rss = self.ranks.call("wake", tags, poison, self.rebuild_derived)
+        self.released -= set(tags)
+        return rss
+
+    def reload_weights(self) -> None:
+        """Read the weights from the model directory again (after sleep(level=2), or to undo updates)."""
+        self.check_weights_present()
+        self.ranks.call("reload_weights", self.rebuild_derived)
+        self.weights_lost = False
+
+    def update_weights(self, named_tensors) -> int | None:
+        """Take new weights: an iterable of (checkpoint name, full tensor) covering every weight.
+
+        Every name, shape and dtype is checked before anything is written; a refused update leaves
+        the old weights (and the generation) as they were. Then each part of the model (a layer, the
+        embedding, …) is written in turn, straight into the parameters, each rank its own blocks.
+        Derived tensors are rebuilt; returns the new generation.
+        """
+        self.check_weights_present()
+        for part, tensors in self.schema.check(named_tensors).items():
+            self.ranks.call("update_part", part, tensors)
+        generation = self.ranks.call("rebuild_derived")[0] if self.rebuild_derived else None
+        self.weights_lost = False
+        return generation
+
+    def resident_mb(self) -> list[float]:
+        """Each rank's resident memory, in MiB."""
+        return self.ranks.call("resident_mb")
+
+    def check_weights_present(self) -> None:
+        if "weights" in self.released:
+            raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
+
+    def check_ready(self) -> None:
+        if self.released:
+            raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.released))} released); call wake_up().")
+        if self.weights_lost:
+            raise RuntimeError("the weights were dropped by sleep(level=2); call reload_weights() before generating.")
+
+
+@dataclass
+class Asleep:
+    level: int
+    shapes: dict[int, torch.Size]  # of every released weight and derived tensor, by id
+    backup: list[torch.Tensor] | None  # level 1: the weights, on the host
+    released: set[str]  # "weights", "kv_cache": what a wake has not yet re-created
+
+
+class RankLifecycle:
+    """A rank's half. Expects `self.runner` (its ModelRunner, whose `.model` is the CausalLM) and
+    `self.model_dir`; `self.asleep` is None while awake."""
+
+    asleep: Asleep | None = None
+
+    def weights(self) -> list[torch.Tensor]:
+        return list(self.runner.model.parameters())  # each tensor once (a tied LM head is the embedding)
+
+    def derived_tensors(self) -> list[torch.Tensor]:
+        return derived.registered_tensors(self.runner.model.derived_owners())
+
+    def resident_mb(self) -> float:
+        return memory.resident_mb()
+
+    def sleep(self, level: int) -> float:
+        """Release the KV cache, the derived tensors and the weights (level 1: backed up to the
+        host first). Returns this rank's resident memory afterwards, in MiB."""
+        tensors = self.weights()
+        backup = [t.detach().clone() for t in tensors] if level == 1 else None
+        shapes = memory.release(tensors + self.derived_tensors())
+        self.runner.release_kv_cache()
+        memory.return_memory_to_os()
+        self.asleep = Asleep(level, shapes, backup, set(TAGS))
+        return memory.resident_mb()
+
+    def wake(self, tags: list[str], poison: bool, rebuild_derived: bool = True) -> float:
+        """Re-create what `tags` name. Weights come back from the backup (level 1) or stay undefined
+        until new ones arrive (level 2); derived tensors are recomputed; the KV cache is new."""
+        asleep = self.asleep
+        if asleep is None:
+            return memory.resident_mb()
+        if "weights" in tags and "weights" in asleep.released:
+            tensors = self.weights()
+            memory.recreate(tensors + self.derived_tensors(), asleep.shapes, poison)
+            if asleep.backup is not None:
+                for t, saved in zip(tensors, asleep.backup, strict=True):
+                    t.data.copy_(saved)
+                asleep.backup = None
+            if rebuild_derived:
+                self.rebuild_derived()
+            asleep.released.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in asleep.released:
+            self.runner.allocate_kv_cache(poison)
+            asleep.released.discard("kv_cache")
+        if not asleep.released:
+            self.asleep = None
+        return memory.resident_mb()
+
+    def reload_weights(self, rebuild_derived: bool = True) -> None:
+        """Read the weights from the model directory again, a part at a time, into the parameters."""
+        model = self.runner.model
+        source = Checkpoint(self.model_dir, model.dtype, model.parallel.device)
+        for part in model.parts():
+            model.load_part(source, part)
+        if rebuild_derived:
+            self.rebuild_derived()
+
+    def update_part(self, part: str | int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one part's new full tensors into the parameters (the driver checked them)."""
+        model = self.runner.model
+        model.load_part(TensorDict(tensors, model.dtype, model.parallel.device), part)
+
+    def rebuild_derived(self) -> int:
+        return derived.rebuild(self.runner.model.derived_owners())

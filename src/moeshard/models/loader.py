@@ -1,0 +1,93 @@
+"""Every parameter knows its shard; one loader writes them, at start-up and for every update.
+
+A module allocates its parameters from the config's shapes alone (this rank's shard shapes) and
+attaches to each one a `ShardLoad`: which blocks of which checkpoint tensors it is made of, and
+where each block goes. `load_weights` reads one block at a time from a TensorSource (a checkpoint
+directory or an update's tensors) and copies it into the parameter's existing storage, so:
+
+- no module is built during a load (layer names, the KV-cache registry and derived tensors are
+  left alone), and parameters keep their identity (compiled graphs and sleep/wake hold them);
+- the extra memory is one block, as stored, at a time (an update's block is a view: none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeshard.models.checkpoint import TensorSource
+from moeshard.moe.weights import empty_param
+
+
+@dataclass(frozen=True)
+class Block:
+    """Block `index` of checkpoint tensor `name` (full shape `shape`, as the config implies),
+    written to `param[dest]`; reshaped to `view` and cut to `pick` first where those are given."""
+
+    name: str
+    shape: tuple[int, ...]
+    index: tuple = ()
+    dest: tuple = ()
+    view: tuple[int, ...] | None = None
+    pick: tuple = ()
+
+
+@dataclass(frozen=True)
+class ShardLoad:
+    blocks: tuple[Block, ...]
+    # Rows no block writes (the vocabulary's padding): zeroed on every load, since after a poisoned
+    # wake the memory holds garbage.
+    padding: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """Allocates a model's parameters: empty, in its dtype, on its device, each with its blocks."""
+
+    dtype: torch.dtype
+    device: torch.device | str
+
+    def __call__(
+        self, shape: tuple[int, ...], *blocks: Block, padding: tuple | None = None, dtype: torch.dtype | None = None
+    ) -> nn.Parameter:
+        return attach(empty_param(shape, dtype or self.dtype, self.device), *blocks, padding=padding)
+
+
+def attach(param: nn.Parameter, *blocks: Block, padding: tuple | None = None) -> nn.Parameter:
+    # On the parameter object itself: releasing and re-creating its storage (sleep/wake) keeps it.
+    param.shard_load = ShardLoad(blocks, padding)
+    return param
+
+
+def check_only(module: nn.Module, *blocks: Block) -> None:
+    """Tensors a checkpoint stores for `module` that it does not hold (Qwen2-MoE's empty shared
+    expert): each load checks their shapes and counts them as read."""
+    module.checked_blocks = blocks
+
+
+def write(param: nn.Parameter, load: ShardLoad, source: TensorSource) -> None:
+    if load.padding is not None:
+        param.data[load.padding].zero_()
+    for b in load.blocks:
+        block = source.read(b.name, b.shape, b.index)
+        if b.view is not None:
+            block = block.reshape(b.view)
+        param.data[b.dest].copy_(block[b.pick])
+
+
+def load_module(module: nn.Module, source: TensorSource) -> None:
+    """Every parameter of `module` (and its submodules), straight from `source`."""
+    for m in module.modules():
+        for b in getattr(m, "checked_blocks", ()):
+            source.check(b.name, b.shape)
+        for param in m.parameters(recurse=False):
+            write(param, param.shard_load, source)
+
+
+def load_weights(model, source: TensorSource, parts: Iterable[str | int] | None = None) -> None:
+    """The parameters of `parts` (every part of the model if None; see CausalLM.parts) from `source`."""
+    for part in model.parts() if parts is None else parts:
+        load_module(model.part(part), source)
