@@ -20,7 +20,7 @@ from torch import nn
 from moeshard.runtime.graph import serving_op
 from moeshard.moe.config import MoEConfig
 from moeshard.moe.context import get_forward_context
-from moeshard.moe.dispatch import DISPATCHERS, CommMethod
+from moeshard.moe.dispatch import DISPATCHERS
 from moeshard.moe.experts import GroupedExperts
 from moeshard.moe.reduce import Point, ReductionPlan, reduce_at
 from moeshard.moe.router import Router
