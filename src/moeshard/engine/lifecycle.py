@@ -202,7 +202,7 @@ class RankLifecycle:
     def reload_weights(self, rebuild_derived: bool = True) -> None:
         """Read the weights from the model directory again, a part at a time, into the parameters."""
         model = self.runner.model
-        source = Checkpoint(self.model_dir, model.dtype, model.parallel.device)
+        source = Checkpoint(self.model_dir)
         for part in model.parts():
             model.load_part(source, part)
         if rebuild_derived:
@@ -211,7 +211,7 @@ class RankLifecycle:
     def update_part(self, part: str | int, tensors: dict[str, torch.Tensor]) -> None:
         """Write one part's new full tensors into the parameters (the driver checked them)."""
         model = self.runner.model
-        model.load_part(TensorDict(tensors, model.dtype, model.parallel.device), part)
+        model.load_part(TensorDict(tensors), part)
 
     def rebuild_derived(self) -> int:
         return derived.rebuild(self.runner.model.derived_owners())

@@ -151,8 +151,8 @@ class LatentAttention(AttentionBase):
             index=(heads_rows(self.heads, nope + Dv),),
             view=(H, nope + Dv, C),
         )
-        self.w_uk_HnC = alloc((H, nope, C), Block(**kv_b, pick=(slice(None), slice(0, nope))))
-        self.w_uv_HvC = alloc((H, Dv, C), Block(**kv_b, pick=(slice(None), slice(nope, None))))
+        self.w_uk_Hnc = alloc((H, nope, C), Block(**kv_b, pick=(slice(None), slice(0, nope))))
+        self.w_uv_Hec = alloc((H, Dv, C), Block(**kv_b, pick=(slice(None), slice(nope, None))))
         self.add_o_proj(alloc, prefix, cfg)
 
     def cache_spec(self) -> CacheSpec:
@@ -164,11 +164,11 @@ class LatentAttention(AttentionBase):
         T = x_TD.shape[0]
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_TD))) if att.q_lora_rank else self.q_proj(x_TD)
         q_nope_THn, q_rope_THr = q.view(T, -1, att.head_dim).split([att.qk_nope_head_dim, att.qk_rope_head_dim], -1)
-        latent_TC, k_rope_Tr = self.kv_a_proj(x_TD).split([att.kv_lora_rank, att.qk_rope_head_dim], -1)
-        latent_T1C = self.kv_a_norm(latent_TC).unsqueeze(1)
+        latent_Tc, k_rope_Tr = self.kv_a_proj(x_TD).split([att.kv_lora_rank, att.qk_rope_head_dim], -1)
+        latent_T1c = self.kv_a_norm(latent_Tc).unsqueeze(1)
         k_rope_T1r = rotary(k_rope_Tr.unsqueeze(1), positions_T)
-        q_latent_THC = torch.einsum("thn,hnc->thc", q_nope_THn, self.w_uk_HnC)
-        q_THk = torch.cat([q_latent_THC, rotary(q_rope_THr, positions_T)], dim=-1)
-        k_T1k = torch.cat([latent_T1C, k_rope_T1r], dim=-1)
-        o_latent_THC = kv_cache.paged_attention(q_THk, k_T1k, latent_T1C, self.name)
-        return self.project_out(torch.einsum("thc,hvc->thv", o_latent_THC, self.w_uv_HvC))
+        q_latent_THc = torch.einsum("thn,hnc->thc", q_nope_THn, self.w_uk_Hnc)
+        q_THd = torch.cat([q_latent_THc, rotary(q_rope_THr, positions_T)], dim=-1)
+        k_T1d = torch.cat([latent_T1c, k_rope_T1r], dim=-1)
+        o_latent_THc = kv_cache.paged_attention(q_THd, k_T1d, latent_T1c, self.name)
+        return self.project_out(torch.einsum("thc,hvc->thv", o_latent_THc, self.w_uv_Hec))

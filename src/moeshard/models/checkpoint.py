@@ -94,7 +94,7 @@ class TensorSource:
 class TensorDict(TensorSource):
     """Tensors in memory (a weight update), read like a checkpoint; a block is a view, not a copy."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None, device=None):
+    def __init__(self, tensors: dict[str, torch.Tensor]):
         super().__init__("the update")
         self.tensors = tensors
 
@@ -111,7 +111,7 @@ class TensorDict(TensorSource):
 class Checkpoint(TensorSource):
     """The tensors of a checkpoint directory, by name (headers only until a tensor is read)."""
 
-    def __init__(self, directory: str | Path, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         super().__init__(f"checkpoint {self.directory.name}")
         self.handles: dict[str, object] = {}

@@ -93,10 +93,10 @@ def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
 
 
 def rope_table(rope: RopeConfig, max_positions: int, device: torch.device, fn) -> torch.Tensor:
-    """fn (torch.cos or torch.sin) of every position's angles, scaled: [max_positions, Dr]."""
+    """fn (torch.cos or torch.sin) of every position's angles, scaled: [X, r] (X = max_positions)."""
     inv_freq, scale = rope_inv_freq(rope)
-    freqs_PR = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return (fn(torch.cat([freqs_PR, freqs_PR], dim=-1)) * scale).to(device)
+    freqs_Xr = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return (fn(torch.cat([freqs_Xr, freqs_Xr], dim=-1)) * scale).to(device)
 
 
 class Rotary(nn.Module):
@@ -108,20 +108,20 @@ class Rotary(nn.Module):
     def __init__(self, rope: RopeConfig, max_positions: int, device: torch.device):
         super().__init__()
         self.interleaved = rope.interleaved
-        for name, fn in (("cos_PR", torch.cos), ("sin_PR", torch.sin)):
+        for name, fn in (("cos_Xr", torch.cos), ("sin_Xr", torch.sin)):
             self.register_buffer(name, None, persistent=False)
             derived.register(self, name, functools.partial(rope_table, rope, max_positions, device, fn))
 
-    def forward(self, x_THR: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        cos = self.cos_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
-        sin = self.sin_PR[positions_T].unsqueeze(1).to(x_THR.dtype)
+    def forward(self, x_THr: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        cos = self.cos_Xr[positions_T].unsqueeze(1).to(x_THr.dtype)
+        sin = self.sin_Xr[positions_T].unsqueeze(1).to(x_THr.dtype)
         if self.interleaved:  # pairs (x0, x1), (x2, x3), …; the output lists evens, then odds
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half], sin[..., :half]
-            x1, x2 = x_THR[..., 0::2], x_THR[..., 1::2]
+            x1, x2 = x_THr[..., 0::2], x_THr[..., 1::2]
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        x1, x2 = x_THR.chunk(2, dim=-1)
-        return x_THR * cos + torch.cat([-x2, x1], dim=-1) * sin
+        x1, x2 = x_THr.chunk(2, dim=-1)
+        return x_THr * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class VocabParallelEmbedding(nn.Module):
