@@ -171,4 +171,4 @@ class LatentAttention(AttentionBase):
         q_THd = torch.cat([q_latent_THc, rotary(q_rope_THr, positions_T)], dim=-1)
         k_T1d = torch.cat([latent_T1c, k_rope_T1r], dim=-1)
         o_latent_THc = kv_cache.paged_attention(q_THd, k_T1d, latent_T1c, self.name)
-        return self.project_out(torch.einsum("thc,hvc->thv", o_latent_THc, self.w_uv_Hec))
+        return self.project_out(torch.einsum("thc,hec->the", o_latent_THc, self.w_uv_Hec))
