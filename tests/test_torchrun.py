@@ -4,26 +4,19 @@ run and the one-rank engine. Killing one node's launcher stops the other, non-ze
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from processes import free_port, kill_tree, listening
 
 pytestmark = pytest.mark.xdist_group("torchrun")  # four ranks: alone on the machine's two cores
 
 EVAL = ["eval", "--layouts", "2x2-ep", "--concurrency", "1,16", "-n", "100"]
 TIMEOUT_S = 25  # MOESHARD_COLLECTIVE_TIMEOUT_S below: the failure bound
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MOESHARD_COLLECTIVE_TIMEOUT_S": str(TIMEOUT_S)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(node_rank: int, port: int, args: list[str], cwd: Path) -> subprocess.Popen:
@@ -39,8 +32,7 @@ def launch(node_rank: int, port: int, args: list[str], cwd: Path) -> subprocess.
 
 def stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        kill_tree(p)
         p.wait(timeout=30)
 
 
@@ -66,22 +58,34 @@ def test_two_nodes_equal_spawned_ranks_and_one_rank(tmp_path):
     assert sum(line.startswith("2x2-ep") for line in logs.splitlines()) == 2  # rank 0 alone printed its rows
 
 
-def test_killing_one_launcher_stops_the_other(tmp_path):
+@pytest.mark.parametrize("lost", ["rendezvous host", "other node"])
+def test_killing_one_launcher_stops_the_other(tmp_path, lost):
+    """The first launcher hosts the c10d rendezvous. Losing it fails torchrun's own agents (they poll
+    its store), so only the bound is moeshard's; losing the other node, moeshard names the rank."""
     port = free_port()
     long_eval = ["eval", "--layouts", "2x2-ep", "--concurrency", "16,1", "-n", "300"]
-    procs = [launch(n, port, long_eval, tmp_path) for n in (0, 1)]
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    procs = [launch(0, port, long_eval, tmp_path)]
     try:
         deadline = time.monotonic() + 600
-        while "accuracy" not in "".join((tmp_path / f"node{n}.log").read_text() for n in (0, 1)):
+        while not listening(port):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "the rendezvous never started"
+            time.sleep(0.2)
+        procs.append(launch(1, port, long_eval, tmp_path))
+        while not any("accuracy" in log.read_text() for log in logs):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the eval never started"
             time.sleep(0.5)
         time.sleep(2)  # mid-run: concurrency 1 is decoding
-        killed, other = procs
-        os.killpg(killed.pid, signal.SIGKILL)  # the launcher and its ranks, as a lost machine
+        killed = 0 if lost == "rendezvous host" else 1
+        kill_tree(procs[killed])  # the launcher and its ranks, as a lost machine
         t0 = time.monotonic()
-        code = other.wait(timeout=TIMEOUT_S + 60)
+        code = procs[1 - killed].wait(timeout=TIMEOUT_S + 60)
         elapsed = time.monotonic() - t0
     finally:
         stop(procs)
-    assert code != 0
+    survivor = logs[1 - killed].read_text()
+    assert code != 0, survivor[-3000:]
     assert elapsed < TIMEOUT_S + 30, elapsed  # the collective timeout, plus torchrun's own teardown
+    if lost == "other node":  # ranks 2, 3 are one node's: the driver names them, or they name the lost driver
+        named = "RankLost: stopped answering mid-step" if "accuracy" in survivor else "DriverLost"
+        assert f"moeshard: error: rank 2: {named}" in survivor, survivor[-3000:]

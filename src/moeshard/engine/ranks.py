@@ -17,6 +17,8 @@ The control group has no practical timeout (an idle engine waits for requests); 
 the model's groups time out after COLLECTIVE_TIMEOUT. A rank that raises mid-step writes its error
 to the store and exits; the others see its connections close (or, if it hangs, time out) and stop,
 so a failed step ends every rank within COLLECTIVE_TIMEOUT, with one RankError naming the rank.
+A rank that vanishes without a word (killed, or its machine lost) is named from its exit code when
+spawned; under torchrun, from its heartbeat in the store, which stops with it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import threading
+import time
 import traceback
 
 import torch
@@ -36,6 +40,8 @@ from moeshard.parallel.launch import RankError
 
 EXECUTE, CALL, EXIT = range(3)
 ERROR_KEY = "moeshard/rank-error"
+HEARTBEAT_KEY, STOPPED_KEY, HEARTBEAT_S = "moeshard/heartbeat/{}", "moeshard/stopped/{}", 0.5
+REPORTED_KEY, REPORT_WAIT = "moeshard/reported", datetime.timedelta(seconds=10)
 IDLE_FOREVER = datetime.timedelta(days=365)
 
 
@@ -159,9 +165,33 @@ def serve_forever(channel: Channel) -> None:
             if samples_R is not None:
                 channel.send_samples(samples_R)
         except BaseException as exc:
-            if not lost_peer(exc):  # the cause, not a consequence of another rank's failure
+            if not lost_peer(exc):  # the cause: the driver reports it from the store
                 channel.store.set(ERROR_KEY, f"rank {rank}: {type(exc).__name__}: {exc}")
-            raise
+                raise
+            stop_for_lost_peer(channel.store, rank)
+
+
+def stop_for_lost_peer(store, rank: int) -> None:
+    """Another rank failed: say this one is not lost, and leave the report to the driver (exiting
+    quietly once it has, so torchrun does not end the driver before it speaks)."""
+    try:
+        store.set(STOPPED_KEY.format(rank), "1")
+        store.wait([REPORTED_KEY], REPORT_WAIT)
+    except RuntimeError:  # the store's host (rank 0's machine) is gone, or rank 0 never reported
+        raise RankError(rank, "DriverLost", "its peers went away mid-step and rank 0 did not say why: the driver's process or machine is gone") from None
+    raise SystemExit(1)
+
+
+def beat(store, rank: int, done: threading.Event) -> None:
+    """Under torchrun: say this rank is alive, until it is done (or the store's host is gone)."""
+    count = 0
+    while not done.is_set():
+        count += 1
+        try:
+            store.set(HEARTBEAT_KEY.format(rank), str(count))
+        except RuntimeError:
+            return
+        done.wait(HEARTBEAT_S)
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -240,6 +270,7 @@ class Ranks(RankZero):
             self.dead = True
             _channel_failed = self.channel is _channel  # torchrun: this process exits; the others see it go
             error = self.failure(exc)
+            self.channel.store.set(REPORTED_KEY, str(error))
             self.stop()
             raise error from exc
 
@@ -258,7 +289,26 @@ class Ranks(RankZero):
             return RankError(int(rank.split()[1]), kind, message)
         if lost_peer(exc) and exits:
             return RankError(exits[0][0], "RankDied", f"process exited with code {exits[0][1]} mid-step")
+        lost = self.silent_ranks() if lost_peer(exc) and not self.processes else []
+        if lost:
+            also = f" (lost: ranks {', '.join(map(str, lost))})" if len(lost) > 1 else ""
+            return RankError(lost[0], "RankLost", f"stopped answering mid-step: its process or machine is gone{also}")
         return RankError(0, type(exc).__name__, str(exc).splitlines()[0])
+
+    def silent_ranks(self) -> list[int]:
+        """Torchrun ranks whose heartbeat stopped, though they did not stop for a lost peer."""
+        store, ranks = self.channel.store, range(1, self.world_size)
+
+        def heartbeats() -> list[bytes | None]:
+            return [store.get(key) if store.check([key]) else None for key in map(HEARTBEAT_KEY.format, ranks)]
+
+        try:
+            before = heartbeats()
+            time.sleep(4 * HEARTBEAT_S)
+            after = heartbeats()
+            return [r for r, b, a in zip(ranks, before, after) if a == b and not store.check([STOPPED_KEY.format(r)])]
+        except RuntimeError:  # the store's host went with them
+            return []
 
     def close(self) -> None:
         if self.dead:
@@ -292,12 +342,7 @@ class Ranks(RankZero):
 def _spawned_main(rank: int, world_size: int, init_method: str, threads: int) -> None:
     torch.set_num_threads(threads)
     state.init_distributed(rank, world_size, init_method)
-    try:
-        serve_forever(Channel())
-    except RuntimeError as exc:
-        if lost_peer(exc):
-            raise SystemExit(1) from None  # another rank's failure, which the driver reports
-        raise
+    serve_forever(Channel())
     state.leave_distributed()
 
 
@@ -313,7 +358,15 @@ def torchrun_channel() -> Channel:
 
 def serve_torchrun() -> None:
     """A torchrun rank other than 0: serve the driver's engines until it exits."""
-    serve_forever(torchrun_channel())
+    channel, done = torchrun_channel(), threading.Event()
+    heart = threading.Thread(target=beat, args=(channel.store, dist.get_rank(), done), daemon=True)
+    heart.start()
+    try:
+        serve_forever(channel)
+    finally:
+        # a store call still running at interpreter exit aborts the process (std::terminate)
+        done.set()
+        heart.join(timeout=4 * HEARTBEAT_S)
     state.leave_distributed()
 
 
