@@ -152,7 +152,7 @@ def test_level_2_releases_the_weights_memory(tmp_path):
     from moeshard.bench.e2e import larger_model
 
     with LLM(larger_model(str(tmp_path / "larger")), max_num_seqs=2) as llm:
-        weight_mb = sum(t.numel() * t.element_size() for t in llm.ranks.worker.weights()) / 2**20  # in-process
+        weight_mb = sum(t.numel() * t.element_size() for t in llm.ranks.host.worker.weights()) / 2**20  # in-process
         awake = llm.resident_mb()[0]
         asleep = llm.sleep(level=2)[0]
         assert awake - asleep >= 0.9 * weight_mb, (awake, asleep, weight_mb)

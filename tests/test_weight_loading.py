@@ -66,7 +66,7 @@ def test_update_and_reload_build_nothing_and_equal_a_fresh_engine(tmp_path, cons
     with LLM() as llm:
         reference = texts(llm)
         assert expected != reference  # the update changes answers, so one not applied cannot pass
-        model = llm.ranks.worker.model
+        model = llm.ranks.host.worker.model
         params = {name: (p, p.data_ptr()) for name, p in model.named_parameters()}
         for key in constructions:
             constructions[key] = 0

@@ -149,6 +149,12 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def generate_layouts(args: argparse.Namespace) -> list:
+    from moeshard.parallel import Layout
+
+    return [Layout(args.tp, args.dp, args.ep)]
+
+
 def make_tiny(args: argparse.Namespace) -> int:
     from moeshard.verify.tiny import make_tiny_checkpoint
 
@@ -217,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--compile-backend", default="inductor")
     ev.add_argument("-n", type=int, default=500, help="held-out problems")
     ev.add_argument("--json", metavar="PATH")
-    ev.set_defaults(run=run_eval)
+    ev.set_defaults(run=run_eval, layouts_of=lambda a: a.layouts)
 
     gen = commands.add_parser("generate", help="generate text for prompts")
     gen.add_argument("prompt", nargs="*", default=["123+456=", "900-999=", "007+993="])
@@ -234,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
-    gen.set_defaults(run=generate)
+    gen.set_defaults(run=generate, layouts_of=generate_layouts)
 
     rl = commands.add_parser("rl-demo", help="a trainer and the engine colocated: sleep, update over a pipe, generate")
     rl.add_argument("--steps", type=int, default=5)
@@ -271,10 +277,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_on_torchrun(args: argparse.Namespace) -> int:
+    """One engine over all of torchrun's ranks: rank 0 drives it (and alone prints and writes files),
+    the others serve it headless until it is done. Every rank checks the layouts first, so a
+    mismatch is one error before any collective."""
+    import os
+
+    from moeshard.engine.llm import check_world
+    from moeshard.engine.ranks import release_torchrun, serve_torchrun
+
+    for layout in args.layouts_of(args):
+        check_world(layout)
+    if int(os.environ["RANK"]) != 0:
+        serve_torchrun()
+        return 0
+    try:
+        return args.run(args)
+    finally:
+        release_torchrun()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from moeshard.parallel.launch import under_torchrun
+
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
+        if under_torchrun() and hasattr(args, "layouts_of"):
+            return run_on_torchrun(args)
         return args.run(args)
     except (ValueError, RuntimeError, OSError) as exc:  # bad input or a failed rank: one line, no traceback wall
         print(f"moeshard: error: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import LLM, SamplingParams
+from moeshard.engine.core import StepStats
 from moeshard.verify.tiny import spread_init
 
 LARGER_QWEN3_MOE = dict(
@@ -46,6 +47,9 @@ class Row:
     tokens_per_request: int
     moeshard_tok_s: float
     transformers_tok_s: float
+    overhead_share: float  # of moeshard's step time outside the model forward
+    plan_bytes: float  # per decode step, driver → ranks
+    sample_bytes: float  # per decode step, ranks → driver
 
     @property
     def ratio(self) -> float:
@@ -88,13 +92,17 @@ def bench_model(name: str, directory, concurrencies, tokens: int, console) -> li
         llm.generate([[1, 2, 3]], params)  # warm-up
         for c in concurrencies:
             prompts = [torch.randint(3, vocab, (PROMPT_TOKENS,), generator=g).tolist() for _ in range(max(4, c))]
+            llm.core.stats = stats = StepStats()
             start = time.perf_counter()
             outs = llm.generate(prompts, params, max_concurrency=c)
             ours = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
             with torch.inference_mode():
                 theirs = transformers_tok_s(hf, prompts, c, tokens, pad=0)
-            rows.append(Row(name, c, len(prompts), tokens, ours, theirs))
-            console.print(f"{name} c={c}: moeshard {ours:,.0f} tok/s, transformers {theirs:,.0f} tok/s")
+            decode = max(stats.decode_steps, 1)
+            rows.append(Row(name, c, len(prompts), tokens, ours, theirs, stats.overhead_share,
+                            stats.decode_plan_bytes / decode, stats.decode_sample_bytes / decode))
+            console.print(f"{name} c={c}: moeshard {ours:,.0f} tok/s, transformers {theirs:,.0f} tok/s, "
+                          f"{stats.overhead_share:.1%} of the step outside the forward")
     return rows
 
 
@@ -106,7 +114,9 @@ def run_bench_e2e(args) -> int:
         for name, directory in models.items():
             rows += bench_model(name, directory, args.concurrency, args.tokens, console)
     table = Table(title="output tokens/s, 1 rank, fp32, same weights (ratio: moeshard / transformers)")
-    for column in ("model", "concurrency", "requests", "tokens each", "moeshard tok/s", "transformers tok/s", "ratio"):
+    columns = ("model", "concurrency", "requests", "tokens each", "moeshard tok/s", "transformers tok/s", "ratio",
+               "outside forward", "plan B/step", "samples B/step")
+    for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(
@@ -117,6 +127,9 @@ def run_bench_e2e(args) -> int:
             f"{r.moeshard_tok_s:,.0f}",
             f"{r.transformers_tok_s:,.0f}",
             f"{r.ratio:.2f}",
+            f"{r.overhead_share:.1%}",
+            f"{r.plan_bytes:,.0f}",
+            f"{r.sample_bytes:,.0f}",
         )
     console.print(table)
     if args.json:

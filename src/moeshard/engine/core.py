@@ -11,12 +11,14 @@ The core is not thread-safe: one thread steps it (the async front end's loop thr
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from moeshard.engine.block_manager import BlockManager
-from moeshard.engine.sampling import SamplingParams, sample_batch
+from moeshard.engine.plan import GroupPlan, NewRequest, PlannedChunk, StepPlan, decode_samples, encode_plan
+from moeshard.engine.sampling import SamplingParams
 from moeshard.engine.scheduler import Request, Scheduled, Scheduler, Status, StopRules
 from moeshard.models.runner import Chunk
 from moeshard.parallel import Layout
@@ -34,6 +36,24 @@ class RequestDelta:
     finish_reason: str | None = None  # stop | length | abort | error
 
 
+@dataclass
+class StepStats:
+    """Where the driver's steps went, for `moeshard bench e2e`: step wall time against rank 0's model
+    forward (the rest is scheduling, plan transport, sampling and detokenizing), and the bytes a
+    decode step moves between the driver and the ranks."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    forward_s: float = 0.0  # rank 0's (it runs in the driver's process)
+    decode_steps: int = 0
+    decode_plan_bytes: int = 0  # broadcast to every rank
+    decode_sample_bytes: int = 0  # sent back, all groups together
+
+    @property
+    def overhead_share(self) -> float:
+        return 1 - self.forward_s / self.step_s if self.step_s else 0.0
+
+
 @dataclass(frozen=True)
 class CoreLimits:
     num_blocks: int
@@ -44,7 +64,8 @@ class CoreLimits:
 
 class EngineCore:
     def __init__(self, ranks, layout: Layout, limits: CoreLimits, rules: StopRules, seed: int = 0):
-        """`ranks.call(method, *args)` runs a Worker method on every rank and returns each rank's result."""
+        """`ranks.execute(plan)` runs a step on every rank and returns each DP group's samples;
+        `ranks.call(method, *args)` runs a Worker method on every rank (moeshard.engine.ranks)."""
         self.ranks, self.layout, self.rules = ranks, layout, rules
         self.groups = [
             Scheduler(
@@ -57,6 +78,9 @@ class EngineCore:
         self.ids = itertools.count()
         self.seed_generator = torch.Generator().manual_seed(seed)
         self.finished: list[RequestDelta] = []  # aborted between steps, reported by the next step
+        self.announced: set[int] = set()  # requests whose sampler the ranks hold
+        self.forget: list[int] = []  # finished requests whose samplers the next step drops
+        self.stats = StepStats()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None) -> int:
         """Queue a checked request (the caller validated prompt and limits); returns its id."""
@@ -64,7 +88,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use.")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_generator))
-        request = Request(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed))
+        request = Request(request_id, list(prompt_ids), params, seed)
         group = min(self.groups, key=lambda g: len(g.waiting) + len(g.running))
         group.add(request)
         self.requests[request_id] = (request, group)
@@ -93,19 +117,35 @@ class EngineCore:
         deltas, self.finished = self.finished, []
         if not any(g.has_work for g in self.groups):
             return deltas
-        plans = [group.schedule() for group in self.groups]
-        per_rank = self.ranks.call("execute", [[chunk_of(s) for s in plan] for plan in plans])
-        for d, (group, plan) in enumerate(zip(self.groups, plans)):
-            logits = per_rank[self.layout.rank(d, 0)]
-            ready = [i for i, scheduled in enumerate(plan) if scheduled.samples]
-            requests = [plan[i].request for i in ready]
-            samples = []
-            if ready:
-                rows = torch.stack([logits[i] for i in ready])
-                samples = sample_batch(rows, [r.params for r in requests], [r.generator for r in requests])
-            group.postprocess(plan, samples)
-            deltas += [self.delta(r) for r in requests]
+        start, forward_s = time.perf_counter(), self.ranks.forward_s
+        scheduled = [group.schedule() for group in self.groups]
+        plan = StepPlan([self.plan_group(s) for s in scheduled], self.forget)
+        self.forget = []
+        plan_P = encode_plan(plan)
+        results = self.ranks.execute(plan_P)
+        for group, chunks, results_R in zip(self.groups, scheduled, results):
+            sampled = [s.request for s in chunks if s.samples]
+            group.postprocess(chunks, decode_samples(results_R))
+            deltas += [self.delta(r) for r in sampled]
+        self.count(plan, plan_P, results, time.perf_counter() - start, self.ranks.forward_s - forward_s)
         return deltas
+
+    def count(self, plan: StepPlan, plan_P, results, step_s: float, forward_s: float) -> None:
+        stats = self.stats
+        stats.steps, stats.step_s, stats.forward_s = stats.steps + 1, stats.step_s + step_s, stats.forward_s + forward_s
+        if all(len(c.chunk.token_ids) == 1 for g in plan.groups for c in g.chunks):
+            stats.decode_steps += 1
+            stats.decode_plan_bytes += plan_P.numel() * plan_P.element_size()
+            stats.decode_sample_bytes += sum(r.numel() * r.element_size() for r in results)
+
+    def plan_group(self, scheduled: list[Scheduled]) -> GroupPlan:
+        """The group's chunks, with the requests its sampling rank meets for the first time."""
+        new = []
+        for s in scheduled:
+            if s.request.id not in self.announced:
+                self.announced.add(s.request.id)
+                new.append(NewRequest(s.request.id, s.request.seed, s.request.params))
+        return GroupPlan(new, [PlannedChunk(s.request.id, chunk_of(s), s.samples) for s in scheduled])
 
     def delta(self, request: Request) -> RequestDelta:
         """The tokens and text `request` has not yet handed out. While it runs, text that could be the
@@ -122,6 +162,9 @@ class EngineCore:
         self.emitted[request.id] = (len(request.output_ids), max(chars_out, len(text)))
         if finished:
             del self.requests[request.id], self.emitted[request.id]
+            if request.id in self.announced:
+                self.announced.remove(request.id)
+                self.forget.append(request.id)
         return delta
 
 

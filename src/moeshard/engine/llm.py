@@ -2,12 +2,14 @@
 
 The LLM object is the driver: it tokenizes and checks requests, and `generate` is a loop over the
 engine core (moeshard.engine.core: per-DP-group schedulers, one step on every rank in lock-step),
-the same loop online serving runs. With one rank the worker runs in this process.
+the same loop online serving runs. The driver is rank 0 and its worker runs in this process; the
+other ranks are spawned here or started by torchrun (moeshard.engine.ranks).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,12 +18,13 @@ from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import worker
 from moeshard.engine.core import CoreLimits, EngineCore, RequestDelta
 from moeshard.engine.lifecycle import EngineLifecycle, WeightSchema
+from moeshard.engine.ranks import LocalRanks, Ranks
 from moeshard.engine.sampling import SamplingParams
 from moeshard.engine.scheduler import StopRules
 from moeshard.models.model import check_layout, load_config
 from moeshard.moe.context import check_method, method_policy
 from moeshard.parallel import Layout
-from moeshard.parallel.launch import open_layout
+from moeshard.parallel.launch import under_torchrun
 
 
 @dataclass
@@ -41,33 +44,28 @@ class RequestOutput:
         self.finish_reason = delta.finish_reason
 
 
-class LocalRanks:
-    """One rank: its worker lives in this process (and only this engine's)."""
+def check_world(layout: Layout) -> None:
+    """Under torchrun the layout must use exactly the ranks it started, and keep each TP group inside
+    one node (TP's many small collectives sit on every layer's critical path); checked before any
+    collective. torchrun numbers ranks node by node, so that holds when TP divides the ranks per node."""
+    if not under_torchrun():
+        return
+    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if world != layout.world_size:
+        raise ValueError(f"torchrun started {world} ranks but layout {layout.label()} needs {layout.world_size}.")
+    if per_node % layout.tp:
+        raise ValueError(
+            f"layout {layout.label()} would split its TP groups of {layout.tp} across nodes of {per_node} ranks; "
+            "keep TP inside a node (TP must divide --nproc-per-node)."
+        )
 
-    world_size = 1
 
-    def __init__(self, config: worker.WorkerConfig):
-        self.worker = worker.Worker(config)
-
-    def call(self, method: str, *args) -> list:
-        return [getattr(self.worker, method)(*args)]
-
-    def close(self) -> None:
-        self.worker = None
-
-
-class SpawnedRanks:
-    """A rank pool (or torchrun's ranks), each holding one worker."""
-
-    def __init__(self, layout: Layout, config: worker.WorkerConfig):
-        self.pool = open_layout(layout)
-        self.pool.run(worker.start, config)
-
-    def call(self, method: str, *args) -> list:
-        return self.pool.run(worker.call, method, *args)
-
-    def close(self) -> None:
-        self.pool.close()
+def open_ranks(layout: Layout, config: worker.WorkerConfig):
+    if under_torchrun():
+        if int(os.environ["RANK"]) != 0:
+            raise RuntimeError("only torchrun's rank 0 builds the engine; the others run moeshard.engine.ranks.serve_torchrun().")
+        return Ranks.torchrun(layout, config) if layout.world_size > 1 else LocalRanks(config)
+    return Ranks.spawn(layout, config) if layout.world_size > 1 else LocalRanks(config)
 
 
 def read_eos(directory: Path) -> set[int]:
@@ -99,6 +97,7 @@ class LLM(EngineLifecycle):
         cfg, _ = load_config(self.directory)
         self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel)
         check_layout(cfg, self.layout)
+        check_world(self.layout)
         check_method(method_policy(moe_comm)[0], self.layout)  # fails here, before any rank starts
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
         self.max_num_seqs, self.token_budget, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
@@ -111,7 +110,7 @@ class LLM(EngineLifecycle):
         )
         self.schema = WeightSchema.of(self.directory, cfg)
         self.init_lifecycle()
-        self.ranks = LocalRanks(config) if self.layout.world_size == 1 else SpawnedRanks(self.layout, config)
+        self.ranks = open_ranks(self.layout, config)
         rules = StopRules(frozenset(self.eos), self.max_model_len, self.decode)
         limits = CoreLimits(self.num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
         self.core = EngineCore(self.ranks, self.layout, limits, rules, seed)

@@ -14,8 +14,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from moeshard.engine.block_manager import BlockManager
 from moeshard.engine.sampling import Sample, SamplingParams
 
@@ -31,7 +29,7 @@ class Request:
     id: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
+    seed: int = 0  # the sampler's, on the rank that samples
     output_ids: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)

@@ -1,21 +1,25 @@
 """What each rank runs: its part of the model and a runner, kept between steps.
 
-The driver (the LLM object) sends every rank the step's chunks of every DP group; a rank runs its
-own group's (an idle group still steps, on a dummy token, so the MoE collectives stay matched) and
-TP rank 0 of each group returns the logits. A spawned rank holds one Worker (`call` reaches it);
-a one-rank engine holds its own in the caller's process. Sleep, wake and weight updates are the
+The driver (rank 0, in the LLM's process) sends every rank the step's plan for every DP group; a
+rank runs its own group's chunks (an idle group still steps, on a dummy token, so the MoE
+collectives stay matched) and TP rank 0 of each group samples where the logits are, with each
+request's own generator, and returns only the tokens and the logprobs asked for. The other ranks
+hold their Worker in moeshard.engine.ranks' headless loop. Sleep, wake and weight updates are the
 rank's half of moeshard.engine.lifecycle.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from moeshard.engine.lifecycle import RankLifecycle
+from moeshard.engine.plan import decode_plan, encode_samples
+from moeshard.engine.sampling import SamplingParams, sample_batch
 from moeshard.models.model import load_model
-from moeshard.models.runner import Chunk, ModelRunner
+from moeshard.models.runner import ModelRunner
 from moeshard.moe.context import method_policy
 from moeshard.parallel import Layout, set_layout
 
@@ -38,28 +42,34 @@ class Worker(RankLifecycle):
         model = load_model(config.model, getattr(torch, config.dtype))
         force, policy = method_policy(config.moe_comm)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, policy, force, config.compile_backend)
+        self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}  # on TP rank 0: its group's requests
+        self.forward_s = 0.0  # time in the model's forward, all steps
 
     @property
     def model(self):
         return self.runner.model
 
-    def execute(self, chunks_per_group: list[list[Chunk]]) -> list[torch.Tensor] | None:
-        """Run this rank's DP group's chunks (every rank, in lock-step); TP rank 0 returns the logits."""
+    def execute(self, plan_P: torch.Tensor) -> torch.Tensor | None:
+        """Run this rank's DP group's chunks of the step (every rank, in lock-step); TP rank 0 of
+        the group samples them and returns the encoded samples (moeshard.engine.plan)."""
+        set_layout(self.config.layout)
+        plan = decode_plan(plan_P)
         parallel = self.model.parallel
-        logits = self.runner.run_chunks(chunks_per_group[parallel.dp_rank])
-        return logits if parallel.tp_rank == 0 else None
+        group = plan.groups[parallel.dp_rank]
+        start = time.perf_counter()
+        logits = self.runner.run_chunks([c.chunk for c in group.chunks])
+        self.forward_s += time.perf_counter() - start
+        if parallel.tp_rank != 0:
+            return None
+        for request_id in plan.finished:
+            self.samplers.pop(request_id, None)
+        for r in group.new:
+            self.samplers[r.id] = (r.params, torch.Generator().manual_seed(r.seed))
+        ready = [i for i, c in enumerate(group.chunks) if c.samples]
+        if not ready:
+            return encode_samples([])
+        params, generators = zip(*(self.samplers[group.chunks[i].request_id] for i in ready))
+        return encode_samples(sample_batch(torch.stack([logits[i] for i in ready]), params, generators))
 
     def set_method(self, method: str) -> None:
         self.runner.set_method(*method_policy(method))
-
-
-_worker: Worker | None = None  # a spawned rank's
-
-
-def start(config: WorkerConfig) -> None:
-    global _worker
-    _worker = Worker(config)
-
-
-def call(method: str, *args):
-    return getattr(_worker, method)(*args)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
+from moeshard.parallel.state import get_parallel_state, group_size
+
 # Tensors real checkpoints carry that inference does not use.
 IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
 
@@ -145,9 +147,10 @@ class Checkpoint(TensorSource):
         that all ranks raise the same error instead of the others waiting on the failed one.
         """
         reports = [(set(self.read_names), error)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            reports = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, (self.read_names, error))
+        world = get_parallel_state().ep_group  # this engine's ranks (None: one rank, even if others run here)
+        if group_size(world) > 1:
+            reports = [None] * group_size(world)
+            dist.all_gather_object(reports, (self.read_names, error), group=world)
         errors = [e for _, e in reports if e is not None]
         if errors:
             raise CheckpointError(errors[0])

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from moeshard.parallel.layout import Layout
 
 # A collective that waits longer than this raises instead of hanging (a peer died).
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MOESHARD_COLLECTIVE_TIMEOUT_S", "60")))
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MOESHARD_COLLECTIVE_TIMEOUT_S", "25")))
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,15 @@ def init_from_env() -> None:
     init_distributed(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", device)
 
 
+def leave_distributed() -> None:
+    """Leave the default process group; the groups made for it go with it."""
+    global _current
+    _current = None
+    _group_cache.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def set_layout(layout: Layout) -> ParallelState:
     """Make `layout` current, creating (once per layout) its TP and DP groups.
 
@@ -74,7 +83,7 @@ def set_layout(layout: Layout) -> ParallelState:
 
 
 def _build(layout: Layout) -> ParallelState:
-    if not dist.is_initialized():
+    if not dist.is_initialized() or layout.world_size == 1:
         if layout.world_size != 1:
             raise RuntimeError(f"layout {layout.label()} needs {layout.world_size} ranks, but torch.distributed is not initialised.")
         return ParallelState(layout, 0, None, None, None)

@@ -8,6 +8,8 @@ runs under every method and concurrency.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -29,6 +31,7 @@ class EvalRow:
     n: int
     accuracy: float
     identical_to_reference: bool
+    outputs_sha256: str  # of every output text in prompt order: equal digests, equal outputs, across commands
 
 
 def run_eval(
@@ -69,11 +72,16 @@ def run_eval(
                         reference = reference or texts
                         correct = sum(text == p.answer for text, p in zip(texts, problems))
                         row = EvalRow(
-                            layout.label(), method, backend is not None, concurrency, n, correct / n, texts == reference
+                            layout.label(), method, backend is not None, concurrency, n, correct / n,
+                            texts == reference, digest(texts),
                         )
                         rows.append(row)
                         on_row(row)
     return rows
+
+
+def digest(texts: list[str]) -> str:
+    return hashlib.sha256(json.dumps(texts).encode()).hexdigest()
 
 
 def to_json(rows: list[EvalRow]) -> list[dict]:

@@ -1,0 +1,380 @@
+"""How the driver reaches the ranks: each step and each control call over torch.distributed.
+
+Rank 0 is the driver (the LLM's process) and holds a Worker itself; every other rank runs
+`serve_forever`, a headless loop that waits for the driver's next command. The ranks are spawned
+on this machine (`Ranks.spawn`) or started by torchrun on one or more machines (`Ranks.torchrun`);
+past start-up both are the same `Ranks` over the same process groups. A one-rank engine needs none
+of this: `LocalRanks` holds its Worker in the caller's process.
+
+Each command starts with a header [command, length] broadcast from rank 0 on the control group:
+  EXECUTE: the step's plan (int64, moeshard.engine.plan) is broadcast on the step group, every rank
+    runs it, and TP rank 0 of each DP group sends its samples (float64, length first) to rank 0.
+    Only these tensors cross on the step path: no pickles, nothing vocabulary-sized.
+  CALL: (method, args) as one object broadcast — control calls only (open, close, sleep, wake,
+    weight updates); each rank's result or error is gathered to rank 0.
+  EXIT: the headless loop returns.
+The control group has no practical timeout (an idle engine waits for requests); the step group and
+the model's groups time out after COLLECTIVE_TIMEOUT. A rank that raises mid-step writes its error
+to the store and exits; the others see its connections close (or, if it hangs, time out) and stop,
+so a failed step ends every rank within COLLECTIVE_TIMEOUT, with one RankError naming the rank.
+A rank that vanishes without a word (killed, or its machine lost) is named from its exit code when
+spawned; under torchrun, from its heartbeat in the store, which stops with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moeshard.engine.worker import Worker, WorkerConfig
+from moeshard.parallel import Layout, state
+from moeshard.parallel.launch import RankError
+
+EXECUTE, CALL, EXIT = range(3)
+ERROR_KEY = "moeshard/rank-error"
+HEARTBEAT_KEY, STOPPED_KEY, HEARTBEAT_S = "moeshard/heartbeat/{}", "moeshard/stopped/{}", 0.5
+REPORTED_KEY, REPORT_WAIT = "moeshard/reported", datetime.timedelta(seconds=10)
+IDLE_FOREVER = datetime.timedelta(days=365)
+
+
+class Host:
+    """What a rank holds between commands: the Worker of the engine that is open, if any."""
+
+    def __init__(self):
+        self.worker: Worker | None = None
+
+    def open(self, config: WorkerConfig) -> None:
+        self.worker = Worker(config)
+
+    def close(self) -> None:
+        self.worker = None
+
+    def call(self, method: str, args: tuple):
+        if method in ("open", "close"):
+            return getattr(self, method)(*args)
+        state.set_layout(self.worker.config.layout)  # another engine of this process may have set its own
+        return getattr(self.worker, method)(*args)
+
+    def answer(self, method: str, args: tuple) -> tuple[bool, object]:
+        """(True, result) or (False, (kind, message, traceback)): a refused call keeps the rank up."""
+        try:
+            return True, self.call(method, args)
+        except Exception as exc:
+            return False, (type(exc).__name__, str(exc), traceback.format_exc())
+
+
+class RankZero:
+    """The driver's own rank: its Worker is in this process."""
+
+    host: Host
+
+    @property
+    def forward_s(self) -> float:
+        """Rank 0's time in the model's forward, all steps (0 once the engine is closed)."""
+        return self.host.worker.forward_s if self.host.worker is not None else 0.0
+
+
+class LocalRanks(RankZero):
+    """One rank: its Worker lives in this process (and only this engine's)."""
+
+    world_size = 1
+
+    def __init__(self, config: WorkerConfig):
+        self.host = Host()
+        self.host.open(config)
+
+    def call(self, method: str, *args) -> list:
+        return [self.host.call(method, args)]
+
+    def execute(self, plan_P: torch.Tensor) -> list[torch.Tensor]:
+        return [self.host.worker.execute(plan_P)]
+
+    def close(self) -> None:
+        self.host.close()
+
+
+class Channel:
+    """The groups every rank creates, in the same order, once it has joined the world."""
+
+    def __init__(self):
+        world = list(range(dist.get_world_size()))
+        self.control = dist.new_group(world, timeout=IDLE_FOREVER)
+        self.step = dist.new_group(world, timeout=state.COLLECTIVE_TIMEOUT)
+        self.store = dist.distributed_c10d._get_default_store()
+
+    def header(self, command: int = 0, length: int = 0) -> tuple[int, int]:
+        header = torch.tensor([command, length], dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.control)
+        return int(header[0]), int(header[1])
+
+    def plan(self, plan_P: torch.Tensor | None = None, length: int = 0) -> torch.Tensor:
+        plan_P = torch.empty(length, dtype=torch.int64) if plan_P is None else plan_P
+        dist.broadcast(plan_P, 0, group=self.step)
+        return plan_P
+
+    def send_samples(self, samples_R: torch.Tensor) -> None:
+        dist.send(torch.tensor([samples_R.numel()], dtype=torch.int64), 0, group=self.step)
+        dist.send(samples_R, 0, group=self.step)
+
+    def receive_samples(self, rank: int) -> torch.Tensor:
+        length = torch.empty(1, dtype=torch.int64)
+        dist.recv(length, rank, group=self.step)
+        samples_R = torch.empty(int(length), dtype=torch.float64)
+        dist.recv(samples_R, rank, group=self.step)
+        return samples_R
+
+    def call(self, request: list) -> list:
+        dist.broadcast_object_list(request, 0, group=self.step)
+        return request
+
+    def gather(self, answer, world_size: int | None = None) -> list | None:
+        answers = [None] * world_size if world_size else None
+        dist.gather_object(answer, answers, 0, group=self.step)
+        return answers
+
+    def rank_error(self) -> str | None:
+        """The error a failed rank left in the store, if one did."""
+        return self.store.get(ERROR_KEY).decode() if self.store.check([ERROR_KEY]) else None
+
+
+_channel: Channel | None = None  # under torchrun: made once, kept for every engine of the process
+_channel_failed = False
+
+
+def serve_forever(channel: Channel) -> None:
+    """A headless rank: run the driver's commands until it says EXIT. A failed step ends the process."""
+    host, rank = Host(), dist.get_rank()
+    while True:
+        command, length = channel.header()
+        if command == EXIT:
+            return
+        if command == CALL:
+            method, args = channel.call([None, None])
+            channel.gather(host.answer(method, args))
+            continue
+        try:
+            samples_R = host.worker.execute(channel.plan(length=length))
+            if samples_R is not None:
+                channel.send_samples(samples_R)
+        except BaseException as exc:
+            if not lost_peer(exc):  # the cause: the driver reports it from the store
+                channel.store.set(ERROR_KEY, f"rank {rank}: {type(exc).__name__}: {exc}")
+                raise
+            stop_for_lost_peer(channel.store, rank)
+
+
+def stop_for_lost_peer(store, rank: int) -> None:
+    """Another rank failed: say this one is not lost, and leave the report to the driver (exiting
+    quietly once it has, so torchrun does not end the driver before it speaks)."""
+    try:
+        store.set(STOPPED_KEY.format(rank), "1")
+        store.wait([REPORTED_KEY], REPORT_WAIT)
+    except RuntimeError:  # the store's host (rank 0's machine) is gone, or rank 0 never reported
+        raise RankError(rank, "DriverLost", "its peers went away mid-step and rank 0 did not say why: the driver's process or machine is gone") from None
+    raise SystemExit(1)
+
+
+def beat(store, rank: int, done: threading.Event) -> None:
+    """Under torchrun: say this rank is alive, until it is done (or the store's host is gone)."""
+    count = 0
+    while not done.is_set():
+        count += 1
+        try:
+            store.set(HEARTBEAT_KEY.format(rank), str(count))
+        except RuntimeError:
+            return
+        done.wait(HEARTBEAT_S)
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Did this collective fail because another rank went away (or stopped answering)?"""
+    return isinstance(exc, RuntimeError) and any(
+        sign in str(exc) for sign in ("Connection reset", "Connection closed", "Timed out", "timed out")
+    )
+
+
+class Ranks(RankZero):
+    """Rank 0's view of a multi-rank engine; `spawn` or `torchrun` make one."""
+
+    def __init__(self, layout: Layout, channel: Channel, config: WorkerConfig, processes=(), restore=None):
+        self.layout, self.channel, self.processes, self.restore = layout, channel, list(processes), restore
+        self.world_size, self.dead = layout.world_size, False
+        self.host = Host()
+        try:
+            self.call("open", config)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def spawn(cls, layout: Layout, config: WorkerConfig, threads_per_rank: int = 1) -> "Ranks":
+        """Start ranks 1 … N-1 on this machine; this process joins as rank 0, with the same thread count."""
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already in use in this process; close the other multi-rank engine first.")
+        store_dir = tempfile.TemporaryDirectory(prefix="moeshard-")
+        init_method = "file://" + os.path.join(store_dir.name, "store")
+        ctx = mp.get_context("spawn")
+        processes = [
+            ctx.Process(target=_spawned_main, args=(r, layout.world_size, init_method, threads_per_rank), daemon=True)
+            for r in range(1, layout.world_size)
+        ]
+        for p in processes:
+            p.start()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads_per_rank)
+        state.init_distributed(0, layout.world_size, init_method)
+        return cls(layout, Channel(), config, processes, (threads, store_dir))
+
+    @classmethod
+    def torchrun(cls, layout: Layout, config: WorkerConfig) -> "Ranks":
+        return cls(layout, torchrun_channel(), config)
+
+    def call(self, method: str, *args) -> list:
+        """Run a Worker method on every rank; each rank's result, or a RankError naming the first that raised."""
+        answers = self.guarded(self.broadcast_call, method, args)
+        for rank, (ok, payload) in enumerate(answers):
+            if not ok:
+                raise RankError(rank, *payload)
+        return [payload for _, payload in answers]
+
+    def broadcast_call(self, method: str, args: tuple) -> list:
+        self.channel.header(CALL)
+        self.channel.call([method, args])
+        return self.channel.gather(self.host.answer(method, args), self.world_size)
+
+    def execute(self, plan_P: torch.Tensor) -> list[torch.Tensor]:
+        """Run a step on every rank; each DP group's samples."""
+        return self.guarded(self.broadcast_step, plan_P)
+
+    def broadcast_step(self, plan_P: torch.Tensor) -> list[torch.Tensor]:
+        self.channel.header(EXECUTE, plan_P.numel())
+        own = self.host.worker.execute(self.channel.plan(plan_P))
+        samplers = [self.layout.rank(d, 0) for d in range(self.layout.dp)]
+        return [own if rank == 0 else self.channel.receive_samples(rank) for rank in samplers]
+
+    def guarded(self, fn, *args):
+        if self.dead:
+            raise RuntimeError("the engine's ranks stopped after an earlier failure; start a new engine.")
+        try:
+            return fn(*args)
+        except Exception as exc:
+            global _channel_failed
+            self.dead = True
+            _channel_failed = self.channel is _channel  # torchrun: this process exits; the others see it go
+            error = self.failure(exc)
+            self.channel.store.set(REPORTED_KEY, str(error))
+            self.stop()
+            raise error from exc
+
+    def failure(self, exc: Exception) -> RankError:
+        """Name the rank that failed: a spawned rank killed by a signal, else the error a rank left
+        in the store, else this rank's own (under torchrun: the lost connection, with its address)."""
+        for p in self.processes:
+            p.join(timeout=0.5)
+        exits = [(rank, p.exitcode) for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+        for rank, code in exits:
+            if code < 0:
+                return RankError(rank, "RankDied", f"process killed by signal {-code} mid-step")
+        reported = self.channel.rank_error()
+        if reported is not None:
+            rank, kind, message = reported.split(": ", 2)
+            return RankError(int(rank.split()[1]), kind, message)
+        if lost_peer(exc) and exits:
+            return RankError(exits[0][0], "RankDied", f"process exited with code {exits[0][1]} mid-step")
+        lost = self.silent_ranks() if lost_peer(exc) and not self.processes else []
+        if lost:
+            also = f" (lost: ranks {', '.join(map(str, lost))})" if len(lost) > 1 else ""
+            return RankError(lost[0], "RankLost", f"stopped answering mid-step: its process or machine is gone{also}")
+        return RankError(0, type(exc).__name__, str(exc).splitlines()[0])
+
+    def silent_ranks(self) -> list[int]:
+        """Torchrun ranks whose heartbeat stopped, though they did not stop for a lost peer."""
+        store, ranks = self.channel.store, range(1, self.world_size)
+
+        def heartbeats() -> list[bytes | None]:
+            return [store.get(key) if store.check([key]) else None for key in map(HEARTBEAT_KEY.format, ranks)]
+
+        try:
+            before = heartbeats()
+            time.sleep(4 * HEARTBEAT_S)
+            after = heartbeats()
+            return [r for r, b, a in zip(ranks, before, after) if a == b and not store.check([STOPPED_KEY.format(r)])]
+        except RuntimeError:  # the store's host went with them
+            return []
+
+    def close(self) -> None:
+        if self.dead:
+            return
+        try:
+            if self.processes:
+                self.channel.header(EXIT)
+            else:
+                self.guarded(self.broadcast_call, "close", ())
+        finally:
+            self.dead = True
+            self.stop()
+
+    def stop(self) -> None:
+        """Spawned ranks: wait for them (kill what does not exit), then leave their world."""
+        self.host.close()
+        if self.restore is None:
+            return
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        state.leave_distributed()
+        threads, store_dir = self.restore
+        torch.set_num_threads(threads)
+        store_dir.cleanup()
+        self.restore = None
+
+
+def _spawned_main(rank: int, world_size: int, init_method: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    state.init_distributed(rank, world_size, init_method)
+    serve_forever(Channel())
+    state.leave_distributed()
+
+
+def torchrun_channel() -> Channel:
+    """This torchrun rank's channel, joining the world the first time."""
+    global _channel
+    if _channel is None:
+        if not dist.is_initialized():
+            state.init_from_env()
+        _channel = Channel()
+    return _channel
+
+
+def serve_torchrun() -> None:
+    """A torchrun rank other than 0: serve the driver's engines until it exits."""
+    channel, done = torchrun_channel(), threading.Event()
+    heart = threading.Thread(target=beat, args=(channel.store, dist.get_rank(), done), daemon=True)
+    heart.start()
+    try:
+        serve_forever(channel)
+    finally:
+        # a store call still running at interpreter exit aborts the process (std::terminate)
+        done.set()
+        heart.join(timeout=4 * HEARTBEAT_S)
+    state.leave_distributed()
+
+
+def release_torchrun() -> None:
+    """On torchrun's rank 0, when the command is done (or failed before any engine started): let the
+    headless ranks exit. After a failed step they are already going."""
+    global _channel
+    if not _channel_failed:
+        torchrun_channel().header(EXIT)
+        state.leave_distributed()
+    _channel = None
