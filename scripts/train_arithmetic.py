@@ -10,16 +10,20 @@ match, problems never trained on) is printed; the checkpoint is written in bf16 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import time
+from pathlib import Path
 
 import torch
 import transformers
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moeshard.bundled.arithmetic import EOS, HELD_OUT, MODEL_DIR, PAD, VOCAB, held_out, make_tokenizer, random_problem
+from moeshard.bundled.arithmetic import (
+    EOS, HELD_OUT, MODEL_DIR, PAD, VOCAB, held_out, make_tokenizer, random_problem, tokenizer_config,
+)
 
 SEQ = 14  # longest "999+999=1998<eos>" is 13 tokens
 ID = {c: i for i, c in enumerate(VOCAB)}
@@ -131,6 +135,7 @@ def main() -> None:
     console.print(f"final: {step} steps in {(time.monotonic() - start) / 60:.1f} min, held-out accuracy {acc:.3f}")
     model.to(torch.bfloat16).save_pretrained(args.out)
     make_tokenizer().save(f"{args.out}/tokenizer.json")
+    Path(args.out, "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=1) + "\n")
     console.print(f"wrote {args.out}")
 
 

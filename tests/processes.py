@@ -51,7 +51,21 @@ def kill_tree(proc: subprocess.Popen) -> None:
             pass
 
 
-def stop_tree(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGTERM) -> tuple[int | None, list[int]]:
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "(gone)"
+
+
+def stop_tree(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGTERM) -> tuple[int | None, list[str]]:
     """Signal `proc`; wait up to `timeout_s` for it to exit. Returns its exit code (None if it did
     not exit) and the processes of its tree still alive after it, which are then killed."""
     tree = process_tree(proc.pid)
@@ -60,10 +74,13 @@ def stop_tree(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGTER
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         code = None
-    time.sleep(0.5)  # a child that is exiting with its parent
-    left = [pid for pid in tree[1:] if Path(f"/proc/{pid}").exists()]
-    kill_tree(proc)
-    for pid in left:
+    deadline = time.monotonic() + 5  # children exiting with their parent (multiprocessing's resource tracker)
+    while (left := [pid for pid in tree[1:] if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [f"{pid}: {command_line(pid)}" for pid in left]
+    if code is None:
+        kill_tree(proc)
+    for pid in filter(alive, tree[1:]):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -94,11 +94,11 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from moeshard.verify import report
     from moeshard.verify.eval import run_eval as evaluate
-    from moeshard.verify.eval import to_json
+    from moeshard.verify.eval import run_eval_url, to_json
 
     backends = [None] + ([args.compile_backend] if args.compile else [])
     console = report.console()
-    total = len(args.layouts) * len(backends) * len(args.moe_comm) * len(args.concurrency)
+    total = len(args.concurrency) * (1 if args.url else len(args.layouts) * len(backends) * len(args.moe_comm))
     with Progress(
         TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
         TimeElapsedColumn(), console=console,
@@ -113,7 +113,10 @@ def run_eval(args: argparse.Namespace) -> int:
             )
             progress.update(task, advance=1, description=f"{row.layout} {row.method}")
 
-        rows = evaluate(args.layouts, args.concurrency, args.moe_comm, backends, args.n, args.model, on_row)
+        if args.url:
+            rows = run_eval_url(args.url, args.concurrency, args.n, args.api_key, on_row)
+        else:
+            rows = evaluate(args.layouts, args.concurrency, args.moe_comm, backends, args.n, args.model, on_row)
     table = Table(title=f"exact match on {args.n} held-out problems (greedy)")
     for column in ("layout", "method", "compiled", "concurrency", "accuracy", "identical to first run"):
         table.add_column(column, justify="right")
@@ -180,6 +183,18 @@ def bench_e2e(args: argparse.Namespace) -> int:
     return run_bench_e2e(args)
 
 
+def serve(args: argparse.Namespace) -> int:
+    from moeshard.serve.server import serve_command
+
+    return serve_command(args)
+
+
+def serve_layouts(args: argparse.Namespace) -> list:
+    from moeshard.parallel import Layout
+
+    return [Layout(args.tp, args.dp, args.ep, args.sp)]
+
+
 def rl_demo(args: argparse.Namespace) -> int:
     from moeshard.demos.rl_demo import rl_demo_command
 
@@ -223,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--compile-backend", default="inductor")
     ev.add_argument("-n", type=int, default=500, help="held-out problems")
     ev.add_argument("--json", metavar="PATH")
-    ev.set_defaults(run=run_eval, layouts_of=lambda a: a.layouts)
+    ev.add_argument("--url", metavar="URL", help="evaluate a running `moeshard serve` (openai client, streaming) instead")
+    ev.add_argument("--api-key", default=None, help="with --url: the server's key")
+    ev.set_defaults(run=run_eval, layouts_of=lambda a: [] if a.url else a.layouts)
 
     gen = commands.add_parser("generate", help="generate text for prompts")
     gen.add_argument("prompt", nargs="*", default=["123+456=", "900-999=", "007+993="])
@@ -241,6 +258,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.set_defaults(run=generate, layouts_of=generate_layouts)
+
+    srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (streaming, metrics, RL routes)")
+    srv.add_argument("--model", default=None, metavar="DIR", help="default: the bundled arithmetic model")
+    srv.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--tp", type=int, default=1)
+    srv.add_argument("--dp", type=int, default=1)
+    srv.add_argument("--ep", action=argparse.BooleanOptionalAction, default=False)
+    srv.add_argument("--sp", action="store_true")
+    srv.add_argument("--moe-comm", default="auto", choices=("auto", "allgather", "alltoall", "mc2", "fused_mc2"))
+    srv.add_argument("--compile", action="store_true")
+    srv.add_argument("--compile-backend", default="inductor")
+    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (every route but /health)")
+    srv.add_argument("--enable-sleep-mode", action="store_true", help="the RL routes: sleep, wake_up, weight updates")
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="per DP group")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per DP group and step")
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    srv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    srv.set_defaults(run=serve, layouts_of=serve_layouts)
 
     rl = commands.add_parser("rl-demo", help="a trainer and the engine colocated: sleep, update over a pipe, generate")
     rl.add_argument("--steps", type=int, default=5)

@@ -63,6 +63,15 @@ def held_out(n: int = 500) -> list[Problem]:
     return list(seen)
 
 
+# The model knows no chat format: a chat's prompt is its last user message.
+CHAT_TEMPLATE = "{%- for m in messages if m['role'] == 'user' %}{%- if loop.last %}{{ m['content'] }}{%- endif %}{%- endfor %}"
+
+
+def tokenizer_config() -> dict:
+    """tokenizer_config.json: the special tokens and the chat template."""
+    return {"pad_token": PAD, "eos_token": EOS, "chat_template": CHAT_TEMPLATE}
+
+
 def make_tokenizer():
     """A character-level Hugging Face tokenizer (tokenizer.json): every character is one token."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

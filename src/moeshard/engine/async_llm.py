@@ -27,6 +27,10 @@ class EngineDeadError(RuntimeError):
     """The engine's loop stopped on an error (a rank failed); no request can be served."""
 
 
+class EngineAsleepError(RuntimeError):
+    """The engine went to sleep between a request's check and its admission; it was not run."""
+
+
 class AsyncLLM:
     def __init__(self, llm: LLM):
         self.llm, self.core = llm, llm.core
@@ -58,6 +62,8 @@ class AsyncLLM:
         try:
             while not finished:
                 delta = await queue.get()
+                if isinstance(delta, EngineAsleepError):
+                    raise delta
                 if isinstance(delta, BaseException):
                     raise EngineDeadError(f"the engine stopped: {delta}") from delta
                 finished = delta.finished
@@ -112,6 +118,11 @@ class AsyncLLM:
 
     def apply(self, adds, aborts, calls) -> None:
         for request_id, ids, params, queue, loop in adds:
+            try:
+                self.llm.check_ready()  # a sleep may have run since generate() checked
+            except RuntimeError as exc:
+                loop.call_soon_threadsafe(queue.put_nowait, EngineAsleepError(str(exc)))
+                continue
             self.streams[self.core.add_request(ids, params, request_id)] = (queue, loop)
         for request_id in aborts:
             self.core.abort(request_id)

@@ -55,6 +55,18 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """The engine's state between two steps, for /metrics."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # blocks in use / blocks, all DP groups
+    preemptions: int  # since start
+    moe_steps: dict[str, int]  # steps by MoE communication method (every rank runs the same one)
+    routed_per_ep_rank: list[int]  # (token, expert) assignments each EP rank's experts received
+
+
+@dataclass(frozen=True)
 class CoreLimits:
     num_blocks: int
     block_size: int
@@ -109,8 +121,19 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return any(g.has_work for g in self.groups) or bool(self.finished)
 
-    def num_unfinished(self) -> int:
-        return sum(len(g.waiting) + len(g.running) for g in self.groups)
+    def live_request_ids(self) -> list[int]:
+        return [r.id for g in self.groups for r in [*g.running, *g.waiting]]
+
+    def engine_stats(self, moe_steps: dict[str, int], routed_per_ep_rank: list[int]) -> EngineStats:
+        used = sum(g.blocks.num_blocks - g.blocks.num_free for g in self.groups)
+        return EngineStats(
+            running=sum(len(g.running) for g in self.groups),
+            waiting=sum(len(g.waiting) for g in self.groups),
+            kv_usage=used / sum(g.blocks.num_blocks for g in self.groups),
+            preemptions=sum(g.num_preemptions for g in self.groups),
+            moe_steps=moe_steps,
+            routed_per_ep_rank=routed_per_ep_rank,
+        )
 
     def step(self) -> list[RequestDelta]:
         """One step of every DP group (an idle group still steps, so collectives stay matched)."""

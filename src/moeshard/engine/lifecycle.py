@@ -127,6 +127,18 @@ class EngineLifecycle:
         self.weights_lost = False
         return generation
 
+    def update_weights_from_disk(self, directory: str | Path) -> int | None:
+        """`update_weights` from a checkpoint directory of this model's architecture (the same
+        checks: a checkpoint that does not fit is refused before anything is written)."""
+        if not Path(directory).is_dir():
+            raise ValueError(f"{directory} is not a directory.")
+        ckpt = Checkpoint(directory)
+        return self.update_weights((name, ckpt.block(name, ())) for name in ckpt.handles if name in self.schema.tensors)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.released)
+
     def resident_mb(self) -> list[float]:
         """Each rank's resident memory, in MiB."""
         return self.ranks.call("resident_mb")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import worker
-from moeshard.engine.core import CoreLimits, EngineCore, RequestDelta
+from moeshard.engine.core import CoreLimits, EngineCore, EngineStats, RequestDelta
 from moeshard.engine.lifecycle import EngineLifecycle, WeightSchema
 from moeshard.engine.ranks import LocalRanks, Ranks
 from moeshard.engine.sampling import SamplingParams
@@ -42,6 +42,14 @@ class RequestOutput:
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         self.finish_reason = delta.finish_reason
+
+
+class RequestError(ValueError):
+    """A request refused for its input; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def check_world(layout: Layout) -> None:
@@ -100,6 +108,7 @@ class LLM(EngineLifecycle):
         check_world(self.layout)
         check_method(method_policy(moe_comm)[0], self.layout)  # fails here, before any rank starts
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
+        self.vocab_size = cfg.vocab_size
         self.max_num_seqs, self.token_budget, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
         self.num_blocks = num_kv_blocks or -(-max_num_seqs * self.max_model_len // block_size)
         self.eos = read_eos(self.directory)
@@ -128,6 +137,12 @@ class LLM(EngineLifecycle):
         check_method(method_policy(method)[0], self.layout)
         self.ranks.call("set_method", method)
 
+    def stats(self) -> EngineStats:
+        """Queues, KV usage and MoE counters, between two steps (the engine thread's call)."""
+        answers = self.ranks.call("moe_stats")
+        routed = [sum(counts) for counts in zip(*(per_rank for _, per_rank in answers))]
+        return self.core.engine_stats(answers[0][0], routed)
+
     def close(self) -> None:
         self.ranks.close()
 
@@ -151,15 +166,21 @@ class LLM(EngineLifecycle):
         """A request's token ids and parameters, or a ValueError naming what is wrong with it."""
         if isinstance(params, dict):
             params = SamplingParams.from_options(**params)
-        ids = self.encode(prompt)
+        try:
+            ids = self.encode(prompt)
+        except ValueError as exc:
+            raise RequestError(str(exc), "prompt") from None
         if not ids:
-            raise ValueError("the prompt is empty.")
+            raise RequestError("the prompt is empty.", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise RequestError(f"the prompt has a token id outside the vocabulary [0, {self.vocab_size}).", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}.")
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}.", "prompt")
         capacity = self.num_blocks * self.block_size
         if min(len(ids) + params.max_tokens, self.max_model_len) > capacity:
-            raise ValueError(
-                f"the request may need {len(ids) + params.max_tokens} tokens; the KV cache holds {capacity}."
+            raise RequestError(
+                f"the request may need {len(ids) + params.max_tokens} tokens; the KV cache holds {capacity}.",
+                "max_tokens",
             )
         return ids, params
 

@@ -76,6 +76,7 @@ class Scheduler:
         self.rules = rules
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since the engine started
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -89,6 +90,7 @@ class Scheduler:
         self.blocks.release(request.blocks)
         request.num_computed, request.status = 0, Status.WAITING
         request.preemptions += 1
+        self.num_preemptions += 1
         self.running.remove(request)
         self.waiting.appendleft(request)
 

@@ -71,5 +71,9 @@ class Worker(RankLifecycle):
         params, generators = zip(*(self.samplers[group.chunks[i].request_id] for i in ready))
         return encode_samples(sample_batch(torch.stack([logits[i] for i in ready]), params, generators))
 
+    def moe_stats(self) -> tuple[dict[str, int], list[int]]:
+        """Steps by MoE method, and the (token, expert) pairs this rank routed to each EP rank."""
+        return dict(self.runner.method_steps), self.model.routed_per_ep_rank()
+
     def set_method(self, method: str) -> None:
         self.runner.set_method(*method_policy(method))

@@ -207,6 +207,11 @@ class CausalLM(nn.Module):
         modules = list(self.modules())
         return modules + [d for m in modules if isinstance(m, MoELayer) for d in m.dispatchers.values()]
 
+    def routed_per_ep_rank(self) -> list[int]:
+        """(token, expert) assignments this rank routed to each EP rank's experts, all MoE layers."""
+        counts = [m.routed_W for m in self.modules() if isinstance(m, MoELayer)]
+        return torch.stack(counts).sum(0).tolist() if counts else []
+
     def cache_specs(self) -> list[CacheSpec]:
         return [layer.attn.cache_spec() for layer in self.layers]
 

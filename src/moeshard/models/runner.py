@@ -11,6 +11,7 @@ dummy token, so that every collective stays matched.
 from __future__ import annotations
 
 import bisect
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ class ModelRunner:
         self.compiled = compile_for_serving(model, compile_backend) if compile_backend else None
         self.buckets = buckets
         self.tp, self.sp = model.parallel.layout.tp, model.parallel.layout.sp
+        self.method_steps: collections.Counter[str] = collections.Counter()  # steps run by each MoE method
 
     def padded_rows(self, rows: int) -> tuple[int, bool]:
         """Rows to run and whether the compiled graph runs them."""
@@ -84,11 +86,16 @@ class ModelRunner:
         ids_T = torch.tensor(ids + [0] * (rows - len(ids)), dtype=torch.int64, device=device)
         positions_T = torch.tensor(positions + [0] * (rows - len(ids)), dtype=torch.int64, device=device)
         forward = self.compiled if compiled else self.model
+        moe_rows, real_rows = rows, len(ids)
+        if self.sp:  # this rank's slice of the rows
+            moe_rows = rows // self.tp
+            real_rows = min(max(len(ids) - self.model.parallel.tp_rank * moe_rows, 0), moe_rows)
         with (
-            moe_forward_context(rows // self.tp if self.sp else rows, self.policy, self.force),
+            moe_forward_context(moe_rows, self.policy, self.force, real_rows) as moe,
             attention_context(meta),
         ):
             hidden_TD = forward(ids_T, positions_T)
+        self.method_steps[moe.method.name] += 1
         if not chunks:
             return []
         ends = meta.query_starts[1:]

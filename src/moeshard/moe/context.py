@@ -20,6 +20,7 @@ from moeshard.parallel.layout import Layout
 class ForwardContext:
     method: CommMethod
     num_tokens: int  # max MoE-input rows over all ranks: every rank pads to this
+    real_rows: int  # this rank's MoE-input rows that carry tokens (the rest is padding)
 
 
 def method_policy(text: str) -> tuple[CommMethod | None, SelectionPolicy]:
@@ -69,17 +70,22 @@ def get_forward_context() -> ForwardContext:
 
 @contextlib.contextmanager
 def moe_forward_context(
-    num_local_tokens: int, policy: SelectionPolicy = SelectionPolicy(), force: CommMethod | None = None
+    num_local_tokens: int,
+    policy: SelectionPolicy = SelectionPolicy(),
+    force: CommMethod | None = None,
+    real_rows: int | None = None,
 ) -> Iterator[ForwardContext]:
     """Agree with every rank on the step's token counts (one host sync) and fix the method.
 
-    `num_local_tokens` is the rows this rank feeds its MoE layers (its SP slice under SP).
+    `num_local_tokens` is the rows this rank feeds its MoE layers (its SP slice under SP), of which
+    the first `real_rows` (default: all) carry tokens.
     """
     global _current
     parallel = state.get_parallel_state()
     num_tokens = max(state.gather_ints(num_local_tokens, parallel.ep_group))
     method = select_method(num_tokens, parallel.layout.ep_size, policy, force)
-    previous, _current = _current, ForwardContext(method, num_tokens)
+    real = num_local_tokens if real_rows is None else real_rows
+    previous, _current = _current, ForwardContext(method, num_tokens, real)
     try:
         yield _current
     finally:

@@ -74,6 +74,11 @@ class MoELayer(nn.Module):
         if weights is not None:
             self.copy_in(weights.shard(shard))
         self.transform = transform
+        # The load metric: where this rank's real tokens were routed. TP ranks route the same rows
+        # (unless SP splits them), so one of them counts.
+        self.experts_per_rank = cfg.num_experts // layout.ep_size
+        self.counts_routing = layout.sp or parallel.tp_rank == 0
+        self.routed_W = torch.zeros(layout.ep_size, dtype=torch.int64, device=device)
         self.plan = ReductionPlan.for_layer(cfg.shared_layout if cfg.has_shared else None, transform is not None, layout)
         self.dispatchers = {
             method: cls(cfg.num_experts, parallel)
@@ -139,6 +144,9 @@ def routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     """Dispatch → experts → combine with the method live in this forward's context."""
     layer = get_layer(layer_name)
     ctx = get_forward_context()
+    if layer.counts_routing:
+        ep_rank_P = topk_ids_TK[: ctx.real_rows].flatten() // layer.experts_per_rank
+        layer.routed_W += torch.bincount(ep_rank_P, minlength=layer.routed_W.numel())
     return layer.dispatchers[ctx.method].run(x_TD, topk_ids_TK, topk_weights_TK, layer.experts, ctx.num_tokens)
 
 

@@ -80,6 +80,51 @@ def run_eval(
     return rows
 
 
+def run_eval_url(
+    url: str,
+    concurrencies: list[int],
+    n: int,
+    api_key: str | None = None,
+    on_row: Callable[[EvalRow], None] = lambda row: None,
+) -> list[EvalRow]:
+    """The same eval against a running server, as the seeds measured it: the openai client,
+    streaming, `concurrency` requests in flight at a time."""
+    import asyncio
+
+    import openai
+
+    if not 1 <= n <= HELD_OUT:
+        raise ValueError(f"-n must be between 1 and {HELD_OUT} (the held-out problems never trained on), got {n}.")
+    problems = held_out(n)
+
+    async def complete(client, model: str, prompt: str, slots: asyncio.Semaphore) -> str:
+        async with slots:
+            stream = await client.completions.create(
+                model=model, prompt=prompt, stream=True, temperature=GREEDY.temperature, max_tokens=GREEDY.max_tokens
+            )
+            return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run() -> list[EvalRow]:
+        rows, reference = [], None
+        base = url.rstrip("/") + "/v1"
+        async with openai.AsyncOpenAI(base_url=base, api_key=api_key or "none", max_retries=0, timeout=600) as client:
+            model = (await client.models.list()).data[0].id
+            for concurrency in concurrencies:
+                slots = asyncio.Semaphore(concurrency)
+                texts = await asyncio.gather(*(complete(client, model, p.prompt, slots) for p in problems))
+                reference = reference or texts
+                correct = sum(text == p.answer for text, p in zip(texts, problems))
+                row = EvalRow(url, "served", False, concurrency, n, correct / n, texts == reference, digest(texts))
+                rows.append(row)
+                on_row(row)
+        return rows
+
+    try:
+        return asyncio.run(run())
+    except openai.APIConnectionError as exc:
+        raise RuntimeError(f"no server answered at {url}: {exc}") from None
+
+
 def digest(texts: list[str]) -> str:
     return hashlib.sha256(json.dumps(texts).encode()).hexdigest()
 

@@ -1,0 +1,467 @@
+"""The OpenAI-compatible HTTP app (docs/DESIGN.md §7): FastAPI routes over one `AsyncLLM`.
+
+Each choice of a request (n per prompt, for every prompt of a batch) is one engine request; their
+deltas are merged into one response, or streamed as SSE chunks ending in `data: [DONE]`. A client
+that goes away cancels its handler, which aborts its engine requests: their KV blocks are free
+before the next step. Every refusal is an OpenAI error object, answered before anything reaches
+the engine, so a bad request never touches the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from transformers.utils.chat_template_utils import render_jinja_template
+
+import moeshard
+from moeshard.engine import SamplingParams
+from moeshard.engine.async_llm import AsyncLLM, EngineAsleepError, EngineDeadError
+from moeshard.engine.core import RequestDelta
+from moeshard.engine.llm import RequestError
+from moeshard.serve.metrics import ServerMetrics
+from moeshard.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FieldError,
+    TokenizeRequest,
+    UpdateFromDiskRequest,
+    error_body,
+    error_response,
+    validation_message,
+)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_name: str
+    api_key: str | None = None
+    enable_sleep_mode: bool = False
+    sleep_wait_s: float = 300.0  # sleep(mode=wait): longest wait for in-flight requests
+
+
+class Refused(Exception):
+    """A request answered with an error object (status, message, field)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+@dataclass
+class Choice:
+    """One engine request of an HTTP request: choice `index` of prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    ids: list[int]
+    params: SamplingParams
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Server:
+    def __init__(self, engine: AsyncLLM, settings: ServeSettings):
+        self.engine, self.llm, self.settings = engine, engine.llm, settings
+        self.metrics = ServerMetrics(settings.model_name)
+        self.scrape_lock = asyncio.Lock()
+        self.draining = False  # a sleep is waiting for in-flight requests: admit no new ones
+        self.created = int(time.time())
+        self.chat_template = read_chat_template(self.llm.directory)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise Refused(404, f"the model {model!r} does not exist; this server serves {self.settings.model_name!r}.", "model")
+
+    def check_admissible(self) -> None:
+        if self.engine.error is not None:
+            raise Refused(503, f"the engine stopped: {self.engine.error}")
+        if self.draining:
+            raise Refused(503, "the engine is going to sleep; no new requests are admitted.")
+        try:
+            self.llm.check_ready()
+        except RuntimeError as exc:
+            raise Refused(503, str(exc)) from None
+
+    def choices(self, prompts: list[str | list[int]], body, max_tokens: int | None, logprobs: int | None) -> list[Choice]:
+        """Every choice, checked whole (prompt, sampling, KV capacity) before any is queued."""
+        choices = []
+        for p, prompt in enumerate(prompts):
+            try:
+                ids, _ = self.llm.check_request(prompt, SamplingParams(max_tokens=1))  # the prompt alone
+                tokens = max_tokens or self.llm.max_model_len - len(ids)  # default: the rest of the context
+                for j, seed in enumerate(body.seeds()):
+                    _, params = self.llm.check_request(ids, SamplingParams(**body.options(tokens, logprobs), seed=seed))
+                    choices.append(Choice(p * body.n + j, p, ids, params))
+            except (RequestError, FieldError) as exc:
+                raise Refused(400, str(exc), exc.param) from None
+            except ValueError as exc:
+                raise Refused(400, str(exc)) from None
+        return choices
+
+    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestDelta]]:
+        """Every choice's deltas as they come; leaving early (or being cancelled) aborts them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def feed(choice: Choice) -> None:
+            timer, unfinished = self.metrics.track(len(choice.ids)), "abort"  # cancelled: the client left
+            try:
+                async for delta in self.engine.generate(choice.ids, choice.params):
+                    timer.on_delta(len(delta.token_ids), delta.finish_reason)
+                    unfinished = None if delta.finished else unfinished
+                    queue.put_nowait((choice, delta))
+            except Exception as exc:  # the engine died or refused: the response says so
+                unfinished = "error"
+                queue.put_nowait((choice, exc))
+            finally:
+                if unfinished is not None:
+                    timer.on_delta(0, unfinished)
+
+        tasks = [asyncio.create_task(feed(c)) for c in choices]
+        try:
+            live = len(choices)
+            while live:
+                choice, delta = await queue.get()
+                if isinstance(delta, Exception):
+                    raise delta
+                choice.text += delta.text
+                choice.token_ids += delta.token_ids
+                choice.logprobs += delta.logprobs or []
+                if delta.finished:
+                    choice.finish_reason, live = delta.finish_reason, live - 1
+                yield choice, delta
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def usage(self, choices: list[Choice]) -> dict:
+        prompt = sum(len(ids) for ids in {c.prompt_index: c.ids for c in choices}.values())
+        completion = sum(len(c.token_ids) for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def token_text(self, token: int) -> str:
+        tokenizer = self.llm.tokenizer
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else f"token_id:{token}"
+
+    # --- completions ----------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        choices = self.choices(body.prompts(), body, body.max_tokens, body.logprobs)
+        self.check_admissible()
+        head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+                "model": self.settings.model_name}
+        echo = {c.index: self.prompt_text(c) if body.echo else "" for c in choices}
+        if body.stream:
+            async def chunks():
+                offsets = {c.index: len(echo[c.index]) for c in choices}
+                async for choice, delta in self.run(choices):
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = self.completion_logprobs(delta.token_ids, delta.logprobs, offsets[choice.index])
+                        offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
+                    text = echo.pop(choice.index, "") + delta.text
+                    yield {**head, "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
+                                                "finish_reason": delta.finish_reason}],
+                           **({"usage": None} if body.include_usage else {})}
+                if body.include_usage:
+                    yield {**head, "choices": [], "usage": self.usage(choices)}
+
+            return self.stream(chunks())
+        await cancel_on_disconnect(request, self.drain(self.run(choices)))
+        return {**head, "choices": [
+            {"index": c.index, "text": echo[c.index] + c.text, "finish_reason": c.finish_reason,
+             "logprobs": None if body.logprobs is None else self.completion_logprobs(c.token_ids, c.logprobs, len(echo[c.index]))}
+            for c in choices
+        ], "usage": self.usage(choices)}
+
+    def prompt_text(self, choice: Choice) -> str:
+        return self.llm.decode(choice.ids)
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict:
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs)],
+            "top_logprobs": [{self.token_text(k): v for k, v in lp.items()} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    # --- chat -----------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatRequest, request: Request):
+        self.check_model(body.model)
+        if self.chat_template is None:
+            raise Refused(400, f"the model {self.settings.model_name!r} has no chat template (tokenizer_config.json "
+                               "chat_template); use /v1/completions.", "messages")
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            prompt = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                           add_generation_prompt=True)[0][0]
+        except Exception as exc:  # the template itself refused these messages
+            raise Refused(400, f"the chat template could not render these messages: {exc}", "messages") from None
+        choices = self.choices([prompt], body, body.max_completion_tokens or body.max_tokens, body.logprob_count())
+        self.check_admissible()
+        head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": self.settings.model_name}
+        if body.stream:
+            async def chunks():
+                head_chunk = {**head, "object": "chat.completion.chunk"}
+                usage = {"usage": None} if body.include_usage else {}
+                for c in choices:
+                    yield {**head_chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}], **usage}
+                async for choice, delta in self.run(choices):
+                    logprobs = self.chat_logprobs(delta.token_ids, delta.logprobs) if body.logprobs else None
+                    content = {"content": delta.text} if delta.text or not delta.finished else {}
+                    yield {**head_chunk, "choices": [{"index": choice.index, "delta": content, "logprobs": logprobs,
+                                                      "finish_reason": delta.finish_reason}], **usage}
+                if body.include_usage:
+                    yield {**head_chunk, "choices": [], "usage": self.usage(choices)}
+
+            return self.stream(chunks())
+        await cancel_on_disconnect(request, self.drain(self.run(choices)))
+        return {**head, "object": "chat.completion", "choices": [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+             "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None}
+            for c in choices
+        ], "usage": self.usage(choices)}
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [
+            entry(t, lp[t]) | {"top_logprobs": [entry(k, v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])]}
+            for t, lp in zip(token_ids, logprobs)
+        ]}
+
+    # --- shared plumbing ------------------------------------------------------------------------
+
+    @staticmethod
+    async def drain(deltas: AsyncIterator) -> None:
+        async for _ in deltas:
+            pass
+
+    @staticmethod
+    def stream(chunks: AsyncIterator[dict]) -> EventSourceResponse:
+        async def events():
+            try:
+                async for chunk in chunks:
+                    yield {"data": json.dumps(chunk)}
+            except Refused as exc:
+                yield {"data": json.dumps(error_body(exc.status, str(exc), exc.param))}
+            except (EngineDeadError, EngineAsleepError) as exc:
+                yield {"data": json.dumps(error_body(503, str(exc)))}
+            yield {"data": "[DONE]"}
+
+        return EventSourceResponse(events(), ping=600)
+
+    async def on_engine(self, fn, conflict: type[Exception] = RuntimeError):
+        """Run `fn` between two steps; its ValueError is a 400, `conflict` a 409."""
+        try:
+            return await self.engine.call(fn)
+        except ValueError as exc:
+            raise Refused(400, str(exc)) from None
+        except EngineDeadError as exc:
+            raise Refused(503, str(exc)) from None
+        except conflict as exc:
+            raise Refused(409, str(exc)) from None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def sleep(self, level: int, mode: str | None) -> dict:
+        if mode == "wait":
+            self.draining = True
+            try:
+                deadline = time.monotonic() + self.settings.sleep_wait_s
+                while self.engine.num_unfinished() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                return await self.sleep(level, None)
+            finally:
+                self.draining = False
+
+        def sleep_now():
+            live = self.llm.core.live_request_ids()
+            if live and mode != "abort":
+                raise RuntimeError(f"{len(live)} requests are in flight; sleep with mode=abort or mode=wait, or retry when idle.")
+            for request_id in live:
+                self.llm.core.abort(request_id)
+            self.llm.sleep(level)
+
+        await self.on_engine(sleep_now)
+        return {"is_sleeping": True}
+
+    async def stats_text(self) -> bytes:
+        async with self.scrape_lock:
+            if self.engine.error is None:
+                self.metrics.engine.stats = await self.engine.call(self.llm.stats)
+            return generate_latest(self.metrics.registry)
+
+
+def read_chat_template(directory: Path) -> str | None:
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    template = json.loads(path.read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable) -> None:
+    """Run `work`, cancelling it if the client goes away first (its engine requests are aborted)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise asyncio.CancelledError
+    task.result()
+
+
+def add_error_handlers(app: FastAPI, key: str | None) -> None:
+    """Every failure answers an OpenAI error object; a set API key guards every route but /health."""
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused):
+        return error_response(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError):
+        param, message = validation_message(exc.errors())
+        return error_response(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        message = f"no route {request.method} {request.url.path}." if exc.status_code in (404, 405) else str(exc.detail)
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineAsleepError)
+    async def unavailable(_: Request, exc: Exception):
+        return error_response(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception):  # a bug: say so as an error object, keep serving
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return error_response(401, "a valid API key is required (Authorization: Bearer KEY).")
+        return await call_next(request)
+
+
+def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
+    server = Server(engine, settings)
+    app = FastAPI(title="moeshard", version=moeshard.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    add_error_handlers(app, settings.api_key)
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return error_response(503, f"the engine stopped: {engine.error}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": moeshard.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": settings.model_name, "object": "model", "created": server.created, "owned_by": "moeshard",
+            "root": str(server.llm.directory), "max_model_len": server.llm.max_model_len,
+        }]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        server.check_model(body.model)
+        try:
+            ids = server.llm.encode(body.prompt)
+        except ValueError as exc:
+            raise Refused(400, str(exc), "prompt") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        if any(not 0 <= t < server.llm.vocab_size for t in body.tokens):
+            raise Refused(400, f"token ids must be in [0, {server.llm.vocab_size}).", "tokens")
+        return {"prompt": server.llm.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await server.chat(body, request)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await server.stats_text(), media_type=CONTENT_TYPE_LATEST)
+
+    if settings.enable_sleep_mode:
+        add_lifecycle_routes(app, server)
+    return app
+
+
+def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
+    llm = server.llm
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1), mode: str | None = Query(None)):
+        if level not in (1, 2):
+            raise Refused(400, f"level must be 1 or 2, got {level}.", "level")
+        if mode not in (None, "abort", "wait"):
+            raise Refused(400, f"mode must be abort or wait, got {mode!r}.", "mode")
+        return await server.sleep(level, mode)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)):
+        await server.on_engine(lambda: llm.wake_up(tags))
+        return {"is_sleeping": llm.is_sleeping}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": llm.is_sleeping}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateFromDiskRequest):
+        generation = await server.on_engine(lambda: llm.update_weights_from_disk(body.model_path))
+        return {"success": True, "generation": generation}
+
+    @app.post("/reload_weights")
+    async def reload_weights():
+        await server.on_engine(llm.reload_weights)
+        return {"success": True}

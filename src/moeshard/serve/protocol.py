@@ -1,0 +1,151 @@
+"""The OpenAI request bodies the server accepts, and its error objects.
+
+Bodies are validated strictly (a string is not an integer) before anything reaches the engine;
+fields this engine does not implement are accepted only at their no-op value, so a client never
+gets silently different sampling from what it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TokenIds = list[int]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The fields completions and chat share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)  # vLLM's -1 and 0 both mean no limit
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: Literal[0, 0.0] = 0
+    frequency_penalty: Literal[0, 0.0] = 0
+    user: str | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not s for s in stops):
+            raise FieldError("stop", "stop strings must not be empty.")
+        return stops
+
+    def options(self, max_tokens: int, logprobs: int | None) -> dict:
+        """SamplingParams fields for choice `index` 0 (the others shift the seed: see `seeds`)."""
+        return dict(
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), max_tokens=max_tokens,
+            stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=logprobs,
+        )
+
+    def seeds(self) -> list[int | None]:
+        """One per choice: a request's n choices are n requests, choice i seeded `seed + i`."""
+        return [None if self.seed is None else self.seed + i for i in range(self.n)]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int = Field(16, gt=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def check(self) -> "CompletionRequest":
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs would need the prompt's logprobs, which this server does not compute")
+        return self
+
+    def prompts(self) -> list[str | TokenIds]:
+        """The batch of prompts (a token-id list is one prompt)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        if not self.prompt:
+            raise FieldError("prompt", "the prompt is empty.")
+        return list(self.prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: TokenIds
+
+
+class UpdateFromDiskRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model_path: str
+
+
+class FieldError(ValueError):
+    """A request field the engine refuses; answered 400 naming it."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
+               503: "ServiceUnavailableError", 500: "InternalServerError"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """An OpenAI error object."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "BadRequestError"), "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def validation_message(errors: list[dict]) -> tuple[str | None, str]:
+    """The first validation error as (field, one sentence)."""
+    error = errors[0]
+    if error["type"] == "json_invalid":
+        return None, "the request body is not valid JSON."
+    loc = [str(part) for part in error["loc"] if part != "body"]
+    field = loc[0] if loc else None
+    if error["type"] == "missing":
+        return field, f"{'.'.join(loc)} is required."
+    if len(loc) > 1 and not loc[1].isdigit():  # a union's branch: say the field, not the branch
+        return field, f"{field} has the wrong type."
+    message = error["msg"].removeprefix("Value error, ")
+    return field, f"{'.'.join(loc)}: {message[0].lower()}{message[1:]}." if field else f"{message}."
