@@ -1,5 +1,6 @@
 """Benchmarks run end to end at small sizes (their timings are reported, never asserted)."""
 
+import json
 import subprocess
 import sys
 
@@ -13,3 +14,24 @@ def test_bench_lm_head_runs_and_checks_parity():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "vocab-parallel" in proc.stdout and "ratio" in proc.stdout
+
+
+def test_bench_e2e_alternates_contenders_with_identical_tokens(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moeshard", "bench", "e2e", "--concurrency", "1,3", "--threads", "1",
+         "--num-requests", "5", "--prompt-lens", "4", "9", "--output-lens", "2", "7", "--repeats", "2",
+         "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["workload"]["num_requests"] == 5
+    assert {(r["concurrency"], r["contender"]) for r in rows} == {
+        (c, name) for c in (1, 3) for name in ("moeshard", "transformers static", "transformers continuous")
+    }
+    assert all(r["identical"] for r in rows)  # every contender made moeshard's greedy tokens
+    assert all(r["tok_s_low"] <= r["tok_s"] <= r["tok_s_high"] and r["ratio_low"] <= r["ratio"] for r in rows)

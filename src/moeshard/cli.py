@@ -307,9 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
     blm.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     blm.add_argument("--repeats", type=int, default=5)
     blm.set_defaults(run=bench_lm_head)
-    be2e = bench_what.add_parser("e2e", help="engine output tokens/s vs. transformers generate")
+    be2e = bench_what.add_parser(
+        "e2e", help="engine useful output tokens/s vs. transformers static and continuous batching"
+    )
     be2e.add_argument("--concurrency", type=int_list, default=[1, 16, 64])
-    be2e.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    be2e.add_argument("--threads", type=int_list, default=[1, 2], help="torch threads, one setting after another")
+    be2e.add_argument("--num-requests", type=int, default=64)
+    be2e.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    be2e.add_argument("--output-lens", type=int, nargs=2, default=[8, 128], metavar=("MIN", "MAX"))
+    be2e.add_argument("--repeats", type=int, default=3, help="repetitions per point; medians and spread reported")
+    be2e.add_argument("--seed", type=int, default=0)
     be2e.add_argument("--json", metavar="PATH")
     be2e.set_defaults(run=bench_e2e)
     return parser

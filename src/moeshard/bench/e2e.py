@@ -1,15 +1,25 @@
-"""`moeshard bench e2e`: output tokens/s of the engine vs. transformers `generate`, same weights, same run.
+"""`moeshard bench e2e`: useful output tokens/s of the engine against transformers' static batching
+(`generate` in batches of c) and its continuous batching, on one realistic workload, same weights,
+same process.
 
-At each concurrency c, c requests are in flight at once: the engine gets every prompt with
-max_concurrency=c; transformers generates them in batches of c (left-padded). Every request makes
-exactly `--tokens` tokens (EOS ignored; capped by the context: the bundled model has 32 positions),
-so both sides do the same work. Models: the bundled arithmetic model, and a larger random Qwen3-MoE
-written for the run.
+The workload: `--num-requests` prompts of random token ids, prompt and output lengths uniform over
+their ranges, EOS ignored, greedy. The model: a random Qwen3-MoE (hidden 512, 32 experts top-4,
+4 layers, vocab 4096) written for the run. At each thread count and concurrency c the contenders run
+one after the other, in an order that rotates every repetition, so a noisy machine slows each of
+them alike; a ratio is taken within one repetition, and the table shows medians and the spread
+(lowest–highest). Every contender must produce moeshard's greedy tokens, request for request: a
+difference is reported and the run fails.
+
+Static batching generates each batch to its longest output (the tail tokens are wasted work, as in
+a real static server); only the tokens each request asked for count as useful.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -17,9 +27,11 @@ from dataclasses import asdict, dataclass
 import torch
 import transformers
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import LLM, SamplingParams
 from moeshard.engine.core import StepStats
 from moeshard.verify.tiny import spread_init
@@ -36,24 +48,7 @@ LARGER_QWEN3_MOE = dict(
     moe_intermediate_size=256,
     max_position_embeddings=512,
 )
-PROMPT_TOKENS = 8
-
-
-@dataclass
-class Row:
-    model: str
-    concurrency: int
-    requests: int
-    tokens_per_request: int
-    moeshard_tok_s: float
-    transformers_tok_s: float
-    overhead_share: float  # of moeshard's step time outside the model forward
-    plan_bytes: float  # per decode step, driver → ranks
-    sample_bytes: float  # per decode step, ranks → driver
-
-    @property
-    def ratio(self) -> float:
-        return self.moeshard_tok_s / self.transformers_tok_s
+PAD = 0
 
 
 def larger_model(directory: str) -> str:
@@ -64,75 +59,179 @@ def larger_model(directory: str) -> str:
     return directory
 
 
-def transformers_tok_s(model, prompts: list[list[int]], concurrency: int, tokens: int, pad: int) -> float:
-    start = time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        batch = prompts[i : i + concurrency]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        model.generate(
-            ids,
-            attention_mask=(torch.arange(width) >= width - torch.tensor([len(p) for p in batch])[:, None]).long(),
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            do_sample=False,
-            pad_token_id=pad,
-        )
-    return len(prompts) * tokens / (time.perf_counter() - start)
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int
+    prompt_lens: tuple[int, int]  # inclusive range
+    output_lens: tuple[int, int]
+    seed: int = 0
+
+    def make(self, vocab: int) -> tuple[list[list[int]], list[int]]:
+        g = torch.Generator().manual_seed(self.seed)
+
+        def draw(low_high):
+            return int(torch.randint(low_high[0], low_high[1] + 1, (1,), generator=g))
+
+        prompts = [torch.randint(3, vocab, (draw(self.prompt_lens),), generator=g).tolist()
+                   for _ in range(self.num_requests)]
+        return prompts, [draw(self.output_lens) for _ in prompts]
 
 
-def bench_model(name: str, directory, concurrencies, tokens: int, console) -> list[Row]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    vocab = hf.config.vocab_size
-    tokens = min(tokens, hf.config.max_position_embeddings - PROMPT_TOKENS)  # the bundled model's context is 32
-    g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    rows = []
-    with LLM(str(directory), max_num_seqs=max(concurrencies), max_num_batched_tokens=2048) as llm:
-        llm.generate([[1, 2, 3]], params)  # warm-up
-        for c in concurrencies:
-            prompts = [torch.randint(3, vocab, (PROMPT_TOKENS,), generator=g).tolist() for _ in range(max(4, c))]
-            llm.core.stats = stats = StepStats()
+class Moeshard:
+    name = "moeshard"
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.stats = StepStats()
+
+    def run(self, prompts, outputs, concurrency) -> tuple[list[list[int]], float]:
+        self.llm.core.stats = self.stats = StepStats()
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+        start = time.perf_counter()
+        done = self.llm.generate(prompts, params, max_concurrency=concurrency)
+        return [o.token_ids for o in done], time.perf_counter() - start
+
+
+class TransformersStatic:
+    name = "transformers static"
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.inference_mode()
+    def run(self, prompts, outputs, concurrency) -> tuple[list[list[int]], float]:
+        tokens, start = [], time.perf_counter()
+        for i in range(0, len(prompts), concurrency):
+            batch, wanted = prompts[i : i + concurrency], outputs[i : i + concurrency]
+            width, longest = max(map(len, batch)), max(wanted)
+            ids = torch.tensor([[PAD] * (width - len(p)) + p for p in batch])
+            mask = (torch.arange(width) >= width - torch.tensor([len(p) for p in batch])[:, None]).long()
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                                      do_sample=False, pad_token_id=PAD)
+            tokens += [row[width : width + n].tolist() for row, n in zip(out, wanted)]
+        return tokens, time.perf_counter() - start
+
+
+class TransformersContinuous:
+    name = "transformers continuous"
+
+    def __init__(self, model):
+        self.model = model
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # CPU memory notes
+
+    def run(self, prompts, outputs, concurrency) -> tuple[list[list[int]], float]:
+        config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD, max_new_tokens=max(outputs))
+        batching = ContinuousBatchingConfig(max_requests_per_batch=concurrency)
+        with self.model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=batching, block=True, timeout=5
+        ) as manager:
+            # Its warm-up happens on entering the context; only serving the requests is timed.
             start = time.perf_counter()
-            outs = llm.generate(prompts, params, max_concurrency=c)
-            ours = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-            with torch.inference_mode():
-                theirs = transformers_tok_s(hf, prompts, c, tokens, pad=0)
-            decode = max(stats.decode_steps, 1)
-            rows.append(Row(name, c, len(prompts), tokens, ours, theirs, stats.overhead_share,
-                            stats.decode_plan_bytes / decode, stats.decode_sample_bytes / decode))
-            console.print(f"{name} c={c}: moeshard {ours:,.0f} tok/s, transformers {theirs:,.0f} tok/s, "
-                          f"{stats.overhead_share:.1%} of the step outside the forward")
+            for i, (p, n) in enumerate(zip(prompts, outputs)):
+                manager.add_request(p, request_id=str(i), max_new_tokens=n)
+            results = {}
+            deadline = start + 3600
+            while len(results) < len(prompts) and time.perf_counter() < deadline:
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+            seconds = time.perf_counter() - start
+        if len(results) < len(prompts):
+            raise RuntimeError(f"transformers continuous batching finished {len(results)} of {len(prompts)} requests.")
+        return [list(results[str(i)].generated_tokens) for i in range(len(prompts))], seconds
+
+
+@dataclass
+class Row:
+    threads: int
+    concurrency: int
+    contender: str
+    tok_s: float  # median over repetitions, useful output tokens
+    tok_s_low: float
+    tok_s_high: float
+    ratio: float  # median of moeshard / this contender, within each repetition
+    ratio_low: float
+    ratio_high: float
+    identical: bool  # every request's tokens equal moeshard's
+    overhead_share: float | None = None  # moeshard: of its step time outside the model forward
+    plan_bytes: float | None = None  # moeshard: per decode step, driver → ranks
+    sample_bytes: float | None = None  # moeshard: per decode step, ranks → driver
+
+
+def differing(reference: list[list[int]], tokens: list[list[int]]) -> list[int]:
+    return [i for i, (a, b) in enumerate(zip(reference, tokens, strict=True)) if a != b]
+
+
+def bench_point(contenders, prompts, outputs, threads, concurrency, repeats, progress, task) -> list[Row]:
+    tok_s = {c.name: [] for c in contenders}
+    same = {c.name: True for c in contenders}
+    for rep in range(repeats):
+        order = contenders[rep % len(contenders):] + contenders[: rep % len(contenders)]
+        tokens = {}
+        for contender in order:
+            tokens[contender.name], seconds = contender.run(prompts, outputs, concurrency)
+            tok_s[contender.name].append(sum(outputs) / seconds)
+            progress.advance(task)
+        for name, got in tokens.items():
+            same[name] &= not differing(tokens["moeshard"], got)
+    ours = tok_s["moeshard"]
+    rows = []
+    for c in contenders:
+        ratios = [a / b for a, b in zip(ours, tok_s[c.name])]
+        rows.append(Row(threads, concurrency, c.name, statistics.median(tok_s[c.name]), min(tok_s[c.name]),
+                        max(tok_s[c.name]), statistics.median(ratios), min(ratios), max(ratios), same[c.name]))
+    stats = contenders[0].stats  # the last repetition's
+    decode = max(stats.decode_steps, 1)
+    rows[0].overhead_share = stats.overhead_share
+    rows[0].plan_bytes, rows[0].sample_bytes = stats.decode_plan_bytes / decode, stats.decode_sample_bytes / decode
     return rows
 
 
-def run_bench_e2e(args) -> int:
-    console = Console(highlight=False)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        models = {"bundled arithmetic (Qwen2-MoE)": MODEL_DIR, "random Qwen3-MoE (larger)": larger_model(tmp)}
-        for name, directory in models.items():
-            rows += bench_model(name, directory, args.concurrency, args.tokens, console)
-    table = Table(title="output tokens/s, 1 rank, fp32, same weights (ratio: moeshard / transformers)")
-    columns = ("model", "concurrency", "requests", "tokens each", "moeshard tok/s", "transformers tok/s", "ratio",
-               "outside forward", "plan B/step", "samples B/step")
-    for column in columns:
+def print_table(console, rows: list[Row], workload: Workload) -> None:
+    table = Table(title=f"useful output tokens/s, random Qwen3-MoE, 1 rank, fp32, {workload.num_requests} requests, "
+                        f"prompts {workload.prompt_lens[0]}–{workload.prompt_lens[1]}, outputs "
+                        f"{workload.output_lens[0]}–{workload.output_lens[1]}, greedy (ratio: moeshard / contender)")
+    for column in ("threads", "concurrency", "contender", "tok/s median", "tok/s spread", "ratio median",
+                   "ratio spread", "same tokens", "outside forward", "plan B/step", "samples B/step"):
         table.add_column(column, justify="right")
     for r in rows:
+        ours = r.contender == "moeshard"
         table.add_row(
-            r.model,
-            str(r.concurrency),
-            str(r.requests),
-            str(r.tokens_per_request),
-            f"{r.moeshard_tok_s:,.0f}",
-            f"{r.transformers_tok_s:,.0f}",
-            f"{r.ratio:.2f}",
-            f"{r.overhead_share:.1%}",
-            f"{r.plan_bytes:,.0f}",
-            f"{r.sample_bytes:,.0f}",
+            str(r.threads), str(r.concurrency), r.contender, f"{r.tok_s:,.0f}", f"{r.tok_s_low:,.0f}–{r.tok_s_high:,.0f}",
+            "" if ours else f"{r.ratio:.2f}", "" if ours else f"{r.ratio_low:.2f}–{r.ratio_high:.2f}",
+            "" if ours else ("yes" if r.identical else "NO"),
+            f"{r.overhead_share:.1%}" if ours else "", f"{r.plan_bytes:,.0f}" if ours else "",
+            f"{r.sample_bytes:,.0f}" if ours else "",
         )
     console.print(table)
+
+
+def run_bench_e2e(args) -> int:
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
+    workload = Workload(args.num_requests, tuple(args.prompt_lens), tuple(args.output_lens), args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = larger_model(tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        prompts, outputs = workload.make(hf.config.vocab_size)
+        context = workload.prompt_lens[1] + workload.output_lens[1]
+        with LLM(directory, max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
+                 max_model_len=context) as llm, Progress(console=console, transient=True) as progress:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+            contenders = [Moeshard(llm), TransformersStatic(hf), TransformersContinuous(hf)]
+            task = progress.add_task("bench e2e", total=len(args.threads) * len(args.concurrency) * args.repeats
+                                     * len(contenders))
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                for c in args.concurrency:
+                    progress.update(task, description=f"{threads} thread(s), concurrency {c}")
+                    rows += bench_point(contenders, prompts, outputs, threads, c, args.repeats, progress, task)
+    print_table(console, rows, workload)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) | {"ratio": r.ratio} for r in rows], f, indent=1)
+            json.dump({"workload": asdict(workload), "rows": [asdict(r) for r in rows]}, f, indent=1)
+    bad = [f"{r.contender} at {r.threads} thread(s), concurrency {r.concurrency}" for r in rows if not r.identical]
+    if bad:
+        console.print(f"moeshard: error: greedy tokens differ from moeshard's: {'; '.join(bad)}.")
+        return 1
     return 0

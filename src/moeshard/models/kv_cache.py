@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moeshard.runtime.graph import serving_op
 
@@ -140,7 +141,7 @@ def register(name: str, layer: AttentionLayer) -> None:
 @serving_op("moeshard::paged_attention")
 def paged_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGe: torch.Tensor, layer_name: str) -> torch.Tensor:
     """Write this step's K/V into the layer's cache, then causal attention of every sequence's new
-    tokens over its cached context, all sequences in one padded batch (fp32 softmax): [T, H, Dv]."""
+    tokens over its cached context, all sequences in one padded batch (fp32 SDPA): [T, H, Dv]."""
     layer, meta = _LAYERS[layer_name], get_attention_metadata()
     cache = layer.cache
     if cache is None:
@@ -151,17 +152,17 @@ def paged_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGe: torch.Tenso
     out_THe = q_THd.new_zeros((q_THd.shape[0], q_THd.shape[1], v_TGe.shape[-1]))
     if not meta.seq_lens:
         return out_THe
-    H, G = q_THd.shape[1], cache.k_SGd.shape[1]
+    # Grouped-query heads stay grouped inside SDPA (enable_gqa): no copy of the KV heads per query head.
     q_NHQd = q_THd[meta.query_rows_NQ].transpose(1, 2).float()
-    k_NHXd = cache.k_SGd[meta.context_slots_NX].repeat_interleave(H // G, dim=2).transpose(1, 2).float()
-    v_NHXe = cache.v_SGe[meta.context_slots_NX].repeat_interleave(H // G, dim=2).transpose(1, 2).float()
+    k_NGXd = cache.k_SGd[meta.context_slots_NX].transpose(1, 2).float()
+    v_NGXe = cache.v_SGe[meta.context_slots_NX].transpose(1, 2).float()
     k_pos_X = torch.arange(meta.context_slots_NX.shape[1], device=q_THd.device)
     visible_NQX = (k_pos_X <= meta.query_pos_NQ[..., None]) & meta.context_valid_NX[:, None, :]
     if layer.window is not None:
         visible_NQX &= k_pos_X > meta.query_pos_NQ[..., None] - layer.window
-    scores_NHQX = (q_NHQd @ k_NHXd.transpose(-1, -2)) * layer.scale
-    probs_NHQX = scores_NHQX.masked_fill(~visible_NQX[:, None], float("-inf")).softmax(dim=-1)
-    out_NQHe = (probs_NHQX.nan_to_num() @ v_NHXe).transpose(1, 2)  # padded queries see nothing: NaN → 0
+    out_NQHe = F.scaled_dot_product_attention(
+        q_NHQd, k_NGXd, v_NGXe, attn_mask=visible_NQX[:, None], scale=layer.scale, enable_gqa=True
+    ).transpose(1, 2)  # padded queries see nothing; their rows are never read
     out_THe[meta.query_rows_NQ[meta.query_valid_NQ]] = out_NQHe[meta.query_valid_NQ].to(out_THe.dtype)
     return out_THe
 
