@@ -35,3 +35,7 @@ def test_bench_e2e_alternates_contenders_with_identical_tokens(tmp_path):
     }
     assert all(r["identical"] for r in rows)  # every contender made moeshard's greedy tokens
     assert all(r["tok_s_low"] <= r["tok_s"] <= r["tok_s_high"] and r["ratio_low"] <= r["ratio"] for r in rows)
+    floors = result["decode_floors"]
+    assert [f["sequences"] for f in floors] == [1, 3]
+    # Every layer's projections, router and experts, plus the LM head, were replayed alone.
+    assert all(f["gemm_calls"] > 4 and f["step_ms"] > 0 and f["gemms_ms"] > 0 for f in floors)

@@ -33,6 +33,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from moeshard.engine import LLM, SamplingParams
+from moeshard.bench.floor import DecodeFloor, decode_floor
 from moeshard.engine.core import StepStats
 from moeshard.verify.tiny import spread_init
 
@@ -206,10 +207,20 @@ def print_table(console, rows: list[Row], workload: Workload) -> None:
     console.print(table)
 
 
+def print_floors(console, floors: list[DecodeFloor]) -> None:
+    table = Table(title="a decode step against its own GEMMs alone (the step's matmuls replayed; medians)")
+    for column in ("threads", "sequences", "context", "step ms", "GEMMs ms", "step / GEMMs", "GEMM calls"):
+        table.add_column(column, justify="right")
+    for f in floors:
+        table.add_row(str(f.threads), str(f.sequences), str(f.context), f"{f.step_ms:.1f}", f"{f.gemms_ms:.1f}",
+                      f"{f.ratio:.2f}", str(f.gemm_calls))
+    console.print(table)
+
+
 def run_bench_e2e(args) -> int:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
     workload = Workload(args.num_requests, tuple(args.prompt_lens), tuple(args.output_lens), args.seed)
-    rows = []
+    rows, floors = [], []
     with tempfile.TemporaryDirectory() as tmp:
         directory = larger_model(tmp)
         hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -226,10 +237,17 @@ def run_bench_e2e(args) -> int:
                 for c in args.concurrency:
                     progress.update(task, description=f"{threads} thread(s), concurrency {c}")
                     rows += bench_point(contenders, prompts, outputs, threads, c, args.repeats, progress, task)
+                # Decoding starts from the mean prompt; halfway through the mean output is the typical step.
+                typical = sum(workload.prompt_lens) // 2 + sum(workload.output_lens) // 4
+                for c in args.concurrency:
+                    floors.append(decode_floor(llm, c, min(typical, context - args.repeats - 3),
+                                               hf.config.vocab_size, args.repeats))
     print_table(console, rows, workload)
+    print_floors(console, floors)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workload": asdict(workload), "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"workload": asdict(workload), "rows": [asdict(r) for r in rows],
+                       "decode_floors": [{**asdict(f), "ratio": f.ratio} for f in floors]}, f, indent=1)
     bad = [f"{r.contender} at {r.threads} thread(s), concurrency {r.concurrency}" for r in rows if not r.identical]
     if bad:
         console.print(f"moeshard: error: greedy tokens differ from moeshard's: {'; '.join(bad)}.")
