@@ -48,7 +48,9 @@ class DecodeFloor:
         return self.step_ms / self.gemms_ms
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int, warmup: int = 0) -> float:
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

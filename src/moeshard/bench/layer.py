@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -21,6 +19,7 @@ from transformers import Qwen3MoeConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from moeshard.bench.floor import median_ms
 from moeshard.moe import MoEConfig, MoELayer, MoEWeights, RouterConfig, moe_forward_context
 
 CFG = MoEConfig(hidden=1024, num_experts=64, intermediate=256, router=RouterConfig(top_k=8, scoring="softmax", renormalize=True))
@@ -43,17 +42,6 @@ class Row:
     impl: str
     median_ms: float
     ratio_to_moeshard: float
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def hf_block(weights: MoEWeights, impl: str, dtype: torch.dtype) -> Qwen3MoeSparseMoeBlock:
@@ -113,7 +101,7 @@ def bench_shape(shape, layer, weights, dtype, repeats, advance) -> tuple[list[Ro
     # One context around the timing: the engine enters it once per step, not once per layer.
     with moe_forward_context(tokens):
         y_TD = layer(x_TD)
-        times = {"moeshard": median_ms(lambda: layer(x_TD), repeats)}
+        times = {"moeshard": median_ms(lambda: layer(x_TD), repeats, WARMUP)}
     advance(f"{shape}: moeshard")
     notes = {}
     for impl in ["eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()]:
@@ -124,9 +112,9 @@ def bench_shape(shape, layer, weights, dtype, repeats, advance) -> tuple[list[Ro
             max_diff, rerouted = parity(layer, block, x_TD, y_TD)
             ok = max_diff <= TOLERANCE[dtype]
             notes[name] = f"{'ok' if ok else 'DISAGREES'}, max|Δ| {max_diff:.1e}" + (f"; {rerouted} rerouted" if rerouted else "")
-            times[name] = median_ms(lambda: block(x_TD.unsqueeze(0)), repeats)
+            times[name] = median_ms(lambda: block(x_TD.unsqueeze(0)), repeats, WARMUP)
         advance(f"{shape}: {name}")
-    times["dense_gemm"] = median_ms(dense_gemm(tokens, dtype, g), repeats)
+    times["dense_gemm"] = median_ms(dense_gemm(tokens, dtype, g), repeats, WARMUP)
     advance(f"{shape}: dense GEMM")
     rows = [Row(shape, tokens, impl, ms, ms / times["moeshard"]) for impl, ms in times.items()]
     return rows, notes
