@@ -7,11 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moeshard.bench.servers import free_port, process_tree  # noqa: F401 (tests import them from here)
 
 
 def listening(port: int) -> bool:
@@ -25,22 +21,6 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float, what: st
         assert proc.poll() is None, f"{what} exited with code {proc.returncode} before listening"
         assert time.monotonic() < deadline, f"{what} did not listen on port {port} within {timeout_s} s"
         time.sleep(0.2)
-
-
-def process_tree(root: int) -> list[int]:
-    """root and its descendants: torchrun starts each rank in a session of its own, so killing the
-    launcher's process group would leave its ranks running."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pid, rest = stat.read_text().split(" ", 1)
-        except OSError:
-            continue  # exited while we looked
-        parents[int(pid)] = int(rest.rsplit(")", 1)[1].split()[1])
-    tree = [root]
-    for pid in tree:
-        tree += [child for child, parent in parents.items() if parent == pid]
-    return tree
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

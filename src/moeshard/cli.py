@@ -183,6 +183,12 @@ def bench_e2e(args: argparse.Namespace) -> int:
     return run_bench_e2e(args)
 
 
+def bench_serve(args: argparse.Namespace) -> int:
+    from moeshard.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
 def serve(args: argparse.Namespace) -> int:
     from moeshard.serve.server import serve_command
 
@@ -319,6 +325,23 @@ def build_parser() -> argparse.ArgumentParser:
     be2e.add_argument("--seed", type=int, default=0)
     be2e.add_argument("--json", metavar="PATH")
     be2e.set_defaults(run=bench_e2e)
+    bsrv = bench_what.add_parser("serve", help="a serving benchmark client (vllm bench serve's shape), optionally against transformers serve")
+    bsrv.add_argument("--base-url", default=None, help="benchmark a running server instead of starting moeshard serve")
+    bsrv.add_argument("--model", default=None, metavar="DIR", help="weights and tokenizer (default: bench e2e's random Qwen3-MoE, made for the run)")
+    bsrv.add_argument("--against", choices=("transformers",), default=None, help="also start transformers serve --continuous-batching")
+    bsrv.add_argument("--num-prompts", type=int, default=64)
+    bsrv.add_argument("--random-input-len", type=int, default=72)
+    bsrv.add_argument("--random-output-len", type=int, default=68)
+    bsrv.add_argument("--random-range-ratio", type=float, default=0.77, help="lengths uniform over [len(1-r), len(1+r)]")
+    bsrv.add_argument("--max-concurrency", type=int_list, default=[16])
+    bsrv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals")
+    bsrv.add_argument("--num-warmups", type=int, default=2)
+    bsrv.add_argument("--repeats", type=int, default=3)
+    bsrv.add_argument("--threads", type=int, default=1, help="torch threads of each server started here")
+    bsrv.add_argument("--seed", type=int, default=0)
+    bsrv.add_argument("--json", metavar="PATH")
+    bsrv.add_argument("--plot", metavar="PNG")
+    bsrv.set_defaults(run=bench_serve)
     return parser
 
 

@@ -1,0 +1,353 @@
+"""`moeshard bench serve`: a serving benchmark client in the shape of `vllm bench serve`.
+
+Random prompts (token ids drawn from the model's tokenizer, sent as text), input and output lengths
+uniform over [len·(1−r), len·(1+r)], greedy, EOS ignored, streamed `/v1/completions`. Requests go out
+at `--request-rate` (Poisson arrivals; inf: all at once) and at most `--max-concurrency` at a time.
+Per request: TTFT (first text), ITL (between text chunks), TPOT ((E2EL − TTFT) / (output tokens − 1))
+and E2EL; output tokens are the server's own count (`usage`, asked for with `include_usage`).
+
+Without `--base-url` it starts `moeshard serve` itself; `--against transformers` also starts
+`transformers serve --continuous-batching` on the same weights, runs the same workload on both in an
+order that rotates every repetition, checks the greedy completions agree, and reports ratios
+(median and spread over repetitions) and each server's resident memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from moeshard.bench.servers import Target, resident_mb, started
+
+REQUEST_TIMEOUT_S = 600
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(frozen=True)
+class RandomDataset:
+    num_prompts: int
+    input_len: int
+    output_len: int
+    range_ratio: float
+    seed: int = 0
+
+    def lengths(self, rng: random.Random, mean: int) -> list[int]:
+        low, high = max(1, math.floor(mean * (1 - self.range_ratio))), math.ceil(mean * (1 + self.range_ratio))
+        return [rng.randint(low, high) for _ in range(self.num_prompts)]
+
+    def make(self, tokenizer) -> list[tuple[str, int]]:
+        """(prompt text, output tokens asked for) per request; prompts avoid the special tokens."""
+        rng = random.Random(self.seed)
+        special = set(tokenizer.get_added_tokens_decoder())
+        ordinary = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
+        inputs, outputs = self.lengths(rng, self.input_len), self.lengths(rng, self.output_len)
+        return [(tokenizer.decode([rng.choice(ordinary) for _ in range(n)]), m) for n, m in zip(inputs, outputs)]
+
+
+@dataclass
+class Outcome:
+    ok: bool = False
+    error: str = ""
+    text: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    e2el: float = 0.0
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2el - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int) -> Outcome:
+    body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **target.extra_body}
+    outcome, start = Outcome(), time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", f"{target.base_url}/completions", json=body) as response:
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return outcome
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    outcome.error = str(chunk["error"])[:200]
+                    return outcome
+                if usage := chunk.get("usage"):
+                    outcome.prompt_tokens, outcome.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                text = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
+                if text:
+                    now = time.perf_counter()
+                    if outcome.text:
+                        outcome.itl.append(now - last)
+                    else:
+                        outcome.ttft = now - start
+                    outcome.text, last = outcome.text + text, now
+    except httpx.HTTPError as e:
+        outcome.error = f"{type(e).__name__}: {e}"
+        return outcome
+    outcome.e2el = time.perf_counter() - start
+    outcome.ok = outcome.output_tokens > 0 or not outcome.error
+    if not outcome.output_tokens:
+        outcome.ok, outcome.error = False, "no usage in the stream"
+    return outcome
+
+
+async def run_workload(target: Target, requests: list[tuple[str, int]], max_concurrency: int,
+                       request_rate: float, seed: int, advance) -> tuple[list[Outcome], float]:
+    rng, gate = random.Random(seed), asyncio.Semaphore(max_concurrency)
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+
+        async def one(prompt: str, max_tokens: int) -> Outcome:
+            async with gate:
+                outcome = await send(client, target, prompt, max_tokens)
+            advance()
+            return outcome
+
+        start, tasks = time.perf_counter(), []
+        for prompt, max_tokens in requests:
+            tasks.append(asyncio.create_task(one(prompt, max_tokens)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        outcomes = await asyncio.gather(*tasks)
+    return outcomes, time.perf_counter() - start
+
+
+def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
+    done = [o for o in outcomes if o.ok]
+    output = sum(o.output_tokens for o in done)
+    metrics = {
+        "completed": len(done), "failed": len(outcomes) - len(done), "duration_s": duration_s,
+        "request_throughput": len(done) / duration_s, "output_throughput": output / duration_s,
+        "total_token_throughput": (output + sum(o.prompt_tokens for o in done)) / duration_s,
+    }
+    for name, values in latencies(done).items():
+        ms = np.array(values or [math.nan]) * 1e3
+        metrics |= {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+                    f"p99_{name}_ms": float(np.percentile(ms, 99))}
+    return metrics
+
+
+def latencies(done: list[Outcome]) -> dict[str, list[float]]:
+    return {"ttft": [o.ttft for o in done], "tpot": [o.tpot for o in done if o.tpot is not None],
+            "itl": [gap for o in done for gap in o.itl], "e2el": [o.e2el for o in done]}
+
+
+@dataclass(frozen=True)
+class Run:
+    server: str
+    concurrency: int
+    repetition: int
+    metrics: dict
+    texts: list[str] = field(repr=False)
+    latencies: dict = field(repr=False)
+
+
+def bench_targets(targets, requests, args, console) -> list[Run]:
+    runs = []
+    total = args.repeats * len(args.max_concurrency) * len(targets) * (len(requests) + args.num_warmups)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("bench serve", total=total)
+        for repetition in range(args.repeats):
+            order = targets[repetition % len(targets):] + targets[:repetition % len(targets)]
+            for c in args.max_concurrency:
+                for target in order:
+                    progress.update(task, description=f"{target.name}, concurrency {c}, repetition {repetition + 1}")
+                    for prompt, max_tokens in requests[:args.num_warmups]:
+                        asyncio.run(run_workload(target, [(prompt, max_tokens)], 1, math.inf, 0, lambda: None))
+                        progress.advance(task)
+                    outcomes, duration = asyncio.run(run_workload(
+                        target, requests, c, args.request_rate, args.seed, lambda: progress.advance(task)))
+                    failures = [o.error for o in outcomes if not o.ok]
+                    if failures:
+                        console.print(f"{target.name}: {len(failures)} request(s) failed, first: {failures[0]}")
+                    runs.append(Run(target.name, c, repetition, summarize(outcomes, duration),
+                                    [o.text for o in outcomes], latencies([o for o in outcomes if o.ok])))
+    return runs
+
+
+def median_of(runs: list[Run], server: str, c: int, key: str) -> float:
+    return statistics.median(r.metrics[key] for r in runs if r.server == server and r.concurrency == c)
+
+
+RATIOS = {  # moeshard / peer, each oriented so that above 1 means moeshard is better
+    "output tok/s": ("output_throughput", False),
+    "median TTFT": ("median_ttft_ms", True),
+    "median TPOT": ("median_tpot_ms", True),
+}
+
+
+def ratios(runs: list[Run], peer: str) -> list[dict]:
+    rows = []
+    for c in sorted({r.concurrency for r in runs}):
+        for label, (key, lower_is_better) in RATIOS.items():
+            per_rep = []
+            for mine in (r for r in runs if r.server == "moeshard" and r.concurrency == c):
+                theirs = next(r for r in runs if r.server == peer and r.concurrency == c and r.repetition == mine.repetition)
+                a, b = mine.metrics[key], theirs.metrics[key]
+                per_rep.append(b / a if lower_is_better else a / b)
+            identical = sum(a == b for mine in runs if mine.server == "moeshard" and mine.concurrency == c
+                            for theirs in runs if theirs.server == peer and theirs.concurrency == c
+                            and theirs.repetition == mine.repetition for a, b in zip(mine.texts, theirs.texts))
+            rows.append({"concurrency": c, "metric": label, "median": statistics.median(per_rep),
+                         "low": min(per_rep), "high": max(per_rep), "identical_completions": identical})
+    return rows
+
+
+SHOWN = [("completed", "{:.0f}"), ("failed", "{:.0f}"), ("request_throughput", "{:.2f}"),
+         ("output_throughput", "{:.1f}"), ("total_token_throughput", "{:.1f}")] + [
+    (f"{stat}_{name}_ms", "{:.1f}") for name in LATENCIES for stat in ("mean", "median", "p99")]
+
+
+def print_tables(console, runs: list[Run], memory: dict, ratio_rows: list[dict], args) -> None:
+    servers = list(dict.fromkeys(r.server for r in runs))
+    for c in args.max_concurrency:
+        table = Table(title=f"bench serve — max concurrency {c}, request rate {args.request_rate}/s, "
+                            f"median of {args.repeats} repetition(s)")
+        table.add_column("metric")
+        for server in servers:
+            table.add_column(server, justify="right")
+        for key, fmt in SHOWN:
+            table.add_row(key, *(fmt.format(median_of(runs, s, c, key)) for s in servers))
+        console.print(table)
+    if memory:
+        table = Table(title="resident memory of each server's process tree (MiB)")
+        for column in ("server", "PSS after the runs", "peak RSS (upper bound)"):
+            table.add_column(column, justify="right")
+        for server, mb in memory.items():
+            table.add_row(server, f"{mb['rss_mb']:,.0f}", f"{mb['peak_rss_mb']:,.0f}")
+        console.print(table)
+    if ratio_rows:
+        table = Table(title=f"moeshard against {args.against} (above 1: moeshard better; median, lowest–highest)")
+        for column in ("concurrency", "metric", "ratio", "spread", "identical completions"):
+            table.add_column(column, justify="right")
+        for row in ratio_rows:
+            table.add_row(str(row["concurrency"]), row["metric"], f"{row['median']:.2f}",
+                          f"{row['low']:.2f}–{row['high']:.2f}", f"{row['identical_completions']}/{args.repeats * args.num_prompts}")
+        console.print(table)
+
+
+def plot(runs: list[Run], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(dict.fromkeys(r.server for r in runs))
+    concurrencies = sorted({r.concurrency for r in runs})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for server in servers:
+        values = [[r.metrics["output_throughput"] for r in runs if r.server == server and r.concurrency == c]
+                  for c in concurrencies]
+        mid = [statistics.median(v) for v in values]
+        axes[0].errorbar(concurrencies, mid, yerr=[[m - min(v) for m, v in zip(mid, values)],
+                                                   [max(v) - m for m, v in zip(mid, values)]],
+                         marker="o", capsize=3, label=server)
+    axes[0].set(xscale="log", xlabel="max concurrency", ylabel="output tokens/s", title="throughput")
+    axes[0].legend()
+    for ax, name in zip(axes[1:], ("ttft", "tpot")):
+        groups = [(f"{s}\nc={c}", [x * 1e3 for r in runs if r.server == s and r.concurrency == c
+                                    for x in r.latencies[name]]) for c in concurrencies for s in servers]
+        ax.boxplot([g[1] for g in groups], tick_labels=[g[0] for g in groups], showfliers=False)
+        ax.set(ylabel="ms", title=f"{name.upper()} per request (all repetitions)")
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench_serve(args) -> int:
+    from tokenizers import Tokenizer
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    dataset = RandomDataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                            args.random_range_ratio, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or random_model(Path(tmp) / "model")
+        requests = dataset.make(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))
+        if args.base_url:
+            targets, memory = [url_target(args.base_url)], {}
+            runs = bench_targets(targets, requests, args, console)
+        else:
+            runs, memory = bench_started(model_dir, requests, args, console, Path(tmp))
+    ratio_rows = ratios(runs, args.against) if args.against else []
+    print_tables(console, runs, memory, ratio_rows, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dataset": asdict(dataset), "request_rate": args.request_rate, "threads": args.threads,
+                       "runs": [{"server": r.server, "concurrency": r.concurrency, "repetition": r.repetition,
+                                 **r.metrics} for r in runs],
+                       "memory": memory, "ratios": ratio_rows}, f, indent=1)
+    if args.plot:
+        plot(runs, args.plot)
+    failed = sum(r.metrics["failed"] for r in runs)
+    if failed:
+        console.print(f"moeshard: error: {failed} request(s) failed; see above.")
+        return 1
+    return 0
+
+
+def bench_started(model_dir: str, requests, args, console, log_dir: Path) -> tuple[list[Run], dict]:
+    kinds = ["moeshard"] + ([args.against] if args.against else [])
+    memory, targets = {}, []
+    seqs = max(args.max_concurrency)
+    with started(kinds[0], model_dir, args.threads, seqs, log_dir) as first:
+        targets.append(first)
+        if len(kinds) > 1:
+            with started(kinds[1], model_dir, args.threads, seqs, log_dir) as second:
+                targets.append(second)
+                runs = bench_targets(targets, requests, args, console)
+                memory[second.name] = measure_memory(second)
+        else:
+            runs = bench_targets(targets, requests, args, console)
+        memory[first.name] = measure_memory(first)
+    return runs, memory
+
+
+def measure_memory(target: Target) -> dict:
+    return {"rss_mb": resident_mb(target.pid), "peak_rss_mb": resident_mb(target.pid, "VmHWM", "status")}
+
+
+def url_target(base_url: str) -> Target:
+    base_url = base_url.rstrip("/").removesuffix("/v1") + "/v1"
+    model = httpx.get(f"{base_url}/models", timeout=10).json()["data"][0]["id"]
+    return Target("server", base_url, model, {"ignore_eos": True})
+
+
+def random_model(directory: Path) -> str:
+    """The issue's random Qwen3-MoE (see `bench e2e`) with a tokenizer whose every id is one word
+    "t<id>", so that random ids survive the trip through text exactly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moeshard.bench.e2e import LARGER_QWEN3_MOE, larger_model
+
+    larger_model(str(directory))
+    specials = ["<pad>", "<bos>", "<eos>"]
+    words = specials + [f"t{i}" for i in range(len(specials), LARGER_QWEN3_MOE["vocab_size"])]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tokenizer.add_special_tokens(specials)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
+                            eos_token="<eos>").save_pretrained(directory)
+    return str(directory)

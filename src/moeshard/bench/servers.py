@@ -1,0 +1,135 @@
+"""The servers `moeshard bench serve` talks to: one already running at a URL, or `moeshard serve` and
+`transformers serve --continuous-batching` started here (CPU, float32, 127.0.0.1, a free port, the
+torch threads asked for), waited for, measured (resident memory of the whole process tree) and
+stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 600
+STOP_GRACE_S = 20
+
+
+@dataclass(frozen=True)
+class Target:
+    """A server and what its completions requests carry besides the OpenAI fields."""
+
+    name: str
+    base_url: str  # …/v1
+    model: str  # the name requests ask for
+    extra_body: dict = field(default_factory=dict)
+    pid: int | None = None  # set when this process started it
+
+
+# Neither server stops at EOS in a benchmark; each takes that in its own dialect: moeshard (as vLLM)
+# has `ignore_eos`, transformers serve rejects unknown fields but takes a generation config.
+IGNORE_EOS = {
+    "moeshard": {"ignore_eos": True},
+    "transformers": {"generation_config": '{"eos_token_id": -1}'},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_tree(root: int) -> list[int]:
+    """root and its descendants (a server's engine ranks may be processes of their own)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" ", 1)
+        except OSError:
+            continue  # exited while we looked
+        parents[int(pid)] = int(rest.rsplit(")", 1)[1].split()[1])
+    tree = [root]
+    for pid in tree:
+        tree += [child for child, parent in parents.items() if parent == pid]
+    return tree
+
+
+def resident_mb(root: int, key: str = "Pss", source: str = "smaps_rollup") -> float:
+    """The summed `key` of a process tree, in MiB: Pss by default (pages shared between the processes
+    counted once, split between them), or VmHWM from `status` (each process's peak RSS; shared pages
+    counted in every process, so an upper bound)."""
+    total_kb = 0
+    for pid in process_tree(root):
+        try:
+            lines = Path(f"/proc/{pid}/{source}").read_text().splitlines()
+        except OSError:
+            continue
+        total_kb += sum(int(line.split()[1]) for line in lines if line.startswith(f"{key}:"))
+    return total_kb / 1024
+
+
+def server_command(kind: str, model_dir: str, port: int, max_num_seqs: int) -> list[str]:
+    if kind == "moeshard":
+        return [sys.executable, "-m", "moeshard", "serve", "--model", model_dir, "--host", "127.0.0.1",
+                "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+    transformers_cli = Path(sys.executable).with_name("transformers")
+    return [str(transformers_cli), "serve", model_dir, "--continuous-batching", "--device", "cpu",
+            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+
+
+@contextmanager
+def started(kind: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: Path) -> Iterator[Target]:
+    """`kind` ("moeshard" or "transformers") serving `model_dir` until the block ends."""
+    port = free_port()
+    log_path = log_dir / f"{kind}-serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(server_command(kind, model_dir, port, max_num_seqs), stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, proc, log_path, kind)
+        model = model_dir if kind == "transformers" else httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        yield Target(kind, f"{base}/v1", model, IGNORE_EOS[kind], proc.pid)
+    finally:
+        stop(proc)
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, log_path: Path, kind: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text()[-2000:]
+            raise RuntimeError(f"{kind} serve exited with code {proc.returncode} before it was healthy:\n{tail}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{kind} serve was not healthy within {START_TIMEOUT_S} s (log: {log_path})")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (each server shuts down cleanly on it), then SIGKILL to whatever of its tree is left."""
+    tree = process_tree(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
