@@ -1,13 +1,12 @@
 """Processes a test starts, and stops by PID: free 127.0.0.1 ports, process trees, waiting for a port."""
 
-import os
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from moeshard.bench.servers import free_port, process_tree  # noqa: F401 (tests import them from here)
+from moeshard.bench.servers import free_port, kill, process_tree  # noqa: F401 (tests import them from here)
 
 
 def listening(port: int) -> bool:
@@ -24,11 +23,7 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float, what: st
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    for pid in process_tree(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill(process_tree(proc.pid))
 
 
 def alive(pid: int) -> bool:
@@ -60,9 +55,5 @@ def stop_tree(proc: subprocess.Popen, timeout_s: float, sig: int = signal.SIGTER
     left = [f"{pid}: {command_line(pid)}" for pid in left]
     if code is None:
         kill_tree(proc)
-    for pid in filter(alive, tree[1:]):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill(list(filter(alive, tree[1:])))
     return code, left

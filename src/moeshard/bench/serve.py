@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -105,9 +106,8 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
         outcome.error = f"{type(e).__name__}: {e}"
         return outcome
     outcome.e2el = time.perf_counter() - start
-    outcome.ok = outcome.output_tokens > 0 or not outcome.error
-    if not outcome.output_tokens:
-        outcome.ok, outcome.error = False, "no usage in the stream"
+    outcome.ok = outcome.output_tokens > 0
+    outcome.error = "" if outcome.ok else "no usage in the stream"
     return outcome
 
 
@@ -172,9 +172,8 @@ def bench_targets(targets, requests, args, console) -> list[Run]:
             for c in args.max_concurrency:
                 for target in order:
                     progress.update(task, description=f"{target.name}, concurrency {c}, repetition {repetition + 1}")
-                    for prompt, max_tokens in requests[:args.num_warmups]:
-                        asyncio.run(run_workload(target, [(prompt, max_tokens)], 1, math.inf, 0, lambda: None))
-                        progress.advance(task)
+                    asyncio.run(run_workload(target, requests[:args.num_warmups], 1, math.inf, args.seed,
+                                             lambda: progress.advance(task)))
                     outcomes, duration = asyncio.run(run_workload(
                         target, requests, c, args.request_rate, args.seed, lambda: progress.advance(task)))
                     failures = [o.error for o in outcomes if not o.ok]
@@ -199,15 +198,13 @@ RATIOS = {  # moeshard / peer, each oriented so that above 1 means moeshard is b
 def ratios(runs: list[Run], peer: str) -> list[dict]:
     rows = []
     for c in sorted({r.concurrency for r in runs}):
+        pairs = [(mine, theirs) for mine in runs if mine.server == "moeshard" and mine.concurrency == c
+                 for theirs in runs if theirs.server == peer and theirs.concurrency == c
+                 and theirs.repetition == mine.repetition]
+        identical = sum(a == b for mine, theirs in pairs for a, b in zip(mine.texts, theirs.texts))
         for label, (key, lower_is_better) in RATIOS.items():
-            per_rep = []
-            for mine in (r for r in runs if r.server == "moeshard" and r.concurrency == c):
-                theirs = next(r for r in runs if r.server == peer and r.concurrency == c and r.repetition == mine.repetition)
-                a, b = mine.metrics[key], theirs.metrics[key]
-                per_rep.append(b / a if lower_is_better else a / b)
-            identical = sum(a == b for mine in runs if mine.server == "moeshard" and mine.concurrency == c
-                            for theirs in runs if theirs.server == peer and theirs.concurrency == c
-                            and theirs.repetition == mine.repetition for a, b in zip(mine.texts, theirs.texts))
+            per_rep = [(theirs.metrics[key] / mine.metrics[key]) if lower_is_better
+                       else (mine.metrics[key] / theirs.metrics[key]) for mine, theirs in pairs]
             rows.append({"concurrency": c, "metric": label, "median": statistics.median(per_rep),
                          "low": min(per_rep), "high": max(per_rep), "identical_completions": identical})
     return rows
@@ -308,19 +305,11 @@ def run_bench_serve(args) -> int:
 
 def bench_started(model_dir: str, requests, args, console, log_dir: Path) -> tuple[list[Run], dict]:
     kinds = ["moeshard"] + ([args.against] if args.against else [])
-    memory, targets = {}, []
-    seqs = max(args.max_concurrency)
-    with started(kinds[0], model_dir, args.threads, seqs, log_dir) as first:
-        targets.append(first)
-        if len(kinds) > 1:
-            with started(kinds[1], model_dir, args.threads, seqs, log_dir) as second:
-                targets.append(second)
-                runs = bench_targets(targets, requests, args, console)
-                memory[second.name] = measure_memory(second)
-        else:
-            runs = bench_targets(targets, requests, args, console)
-        memory[first.name] = measure_memory(first)
-    return runs, memory
+    with ExitStack() as servers:
+        targets = [servers.enter_context(started(kind, model_dir, args.threads, max(args.max_concurrency), log_dir))
+                   for kind in kinds]
+        runs = bench_targets(targets, requests, args, console)
+        return runs, {t.name: measure_memory(t) for t in targets}
 
 
 def measure_memory(target: Target) -> dict:
@@ -336,7 +325,7 @@ def url_target(base_url: str) -> Target:
 def random_model(directory: Path) -> str:
     """The issue's random Qwen3-MoE (see `bench e2e`) with a tokenizer whose every id is one word
     "t<id>", so that random ids survive the trip through text exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from moeshard.bench.e2e import LARGER_QWEN3_MOE, larger_model
@@ -346,7 +335,6 @@ def random_model(directory: Path) -> str:
     words = specials + [f"t{i}" for i in range(len(specials), LARGER_QWEN3_MOE["vocab_size"])]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tokenizer.add_special_tokens(specials)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
                             eos_token="<eos>").save_pretrained(directory)

@@ -127,9 +127,13 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
-    for pid in tree:
+    kill(tree)
+    proc.wait()
+
+
+def kill(pids: list[int]) -> None:
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    proc.wait()
