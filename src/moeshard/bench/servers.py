@@ -6,6 +6,7 @@ stopped by PID.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import httpx
 
 START_TIMEOUT_S = 600
 STOP_GRACE_S = 20
+KV_BLOCK_SIZE = 16  # moeshard serve's block size (LLM's default)
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,14 @@ def server_command(kind: str, model_dir: str, port: int, max_num_seqs: int) -> l
     if kind == "moeshard":
         return [sys.executable, "-m", "moeshard", "serve", "--model", model_dir, "--host", "127.0.0.1",
                 "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+    # Left alone, transformers serve sizes its cache from free memory (~13 GiB here, even for the bundled
+    # model); it gets the cache moeshard reserves: `max_num_seqs` full contexts in 16-token blocks.
+    context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
     transformers_cli = Path(sys.executable).with_name("transformers")
     return [str(transformers_cli), "serve", model_dir, "--continuous-batching", "--device", "cpu",
-            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+            "--dtype", "float32", "--cb-block-size", str(KV_BLOCK_SIZE),
+            "--cb-num-blocks", str(-(-max_num_seqs * context // KV_BLOCK_SIZE)),
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
 
 
 @contextmanager
