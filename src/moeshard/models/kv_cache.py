@@ -53,7 +53,9 @@ class AttentionMetadata:
     written nowhere, output zero).
 
     The gather tables are built once per step and shared by every layer: sequence i's context
-    slots (keys 0 … seq_lens[i]-1), and its query rows padded to the step's longest chunk Q.
+    slots (keys 0 … seq_lens[i]-1), its query rows padded to the step's longest chunk Q, and where
+    each real query sits in that padded [N·Q] batch. They are index tensors, not masks, so every
+    gather is an `index_select` (a masked index costs a host sync and a slower kernel).
     """
 
     query_starts: tuple[int, ...]  # len N + 1
@@ -63,7 +65,7 @@ class AttentionMetadata:
     context_valid_NX: torch.Tensor  # bool
     query_rows_NQ: torch.Tensor  # int64 [N, Q]: row of each query; 0 past a sequence's chunk
     query_pos_NQ: torch.Tensor  # int64 position of each query
-    query_valid_NQ: torch.Tensor  # bool
+    padded_query_W: torch.Tensor  # int64 [W]: row i·Q + offset of each of the step's W new tokens
 
     @classmethod
     def build(
@@ -95,10 +97,11 @@ class AttentionMetadata:
         slot_mapping_T = torch.full((padded_rows,), -1, dtype=torch.int64)
         slot_mapping_T[: new_slots.numel()] = new_slots
         rows_NQ = torch.where(q_valid_NQ, torch.tensor(starts[:-1], dtype=torch.int64)[:, None] + q_off_Q, 0)
+        padded_query_W = q_valid_NQ.flatten().nonzero().flatten()
         return cls(
             tuple(starts),
             tuple(seq_lens),
-            *(t.to(device) for t in (slot_mapping_T, slots_NX, valid_NX, rows_NQ, q_pos_NQ, q_valid_NQ)),
+            *(t.to(device) for t in (slot_mapping_T, slots_NX, valid_NX, rows_NQ, q_pos_NQ, padded_query_W)),
         )
 
 
@@ -146,25 +149,35 @@ def paged_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGe: torch.Tenso
     cache = layer.cache
     if cache is None:
         raise RuntimeError(f"attention layer {layer_name!r} has no KV cache; allocate one before running.")
-    written = meta.slot_mapping_T >= 0
-    cache.k_SGd[meta.slot_mapping_T[written]] = k_TGd[written].to(cache.k_SGd.dtype)
-    cache.v_SGe[meta.slot_mapping_T[written]] = v_TGe[written].to(cache.v_SGe.dtype)
+    W = meta.query_starts[-1]  # the step's new tokens are rows 0 … W-1; the rest is padding
+    cache.k_SGd.index_copy_(0, meta.slot_mapping_T[:W], k_TGd[:W].to(cache.k_SGd.dtype))
+    cache.v_SGe.index_copy_(0, meta.slot_mapping_T[:W], v_TGe[:W].to(cache.v_SGe.dtype))
     out_THe = q_THd.new_zeros((q_THd.shape[0], q_THd.shape[1], v_TGe.shape[-1]))
     if not meta.seq_lens:
         return out_THe
-    # Grouped-query heads stay grouped inside SDPA (enable_gqa): no copy of the KV heads per query head.
-    q_NHQd = q_THd[meta.query_rows_NQ].transpose(1, 2).float()
-    k_NGXd = cache.k_SGd[meta.context_slots_NX].transpose(1, 2).float()
-    v_NGXe = cache.v_SGe[meta.context_slots_NX].transpose(1, 2).float()
-    k_pos_X = torch.arange(meta.context_slots_NX.shape[1], device=q_THd.device)
+    (N, Q), (H, d), (G, e) = meta.query_rows_NQ.shape, q_THd.shape[1:], v_TGe.shape[1:]
+    h, X = H // G, meta.context_slots_NX.shape[1]
+    # The h query heads that share a KV head are h rows of one SDPA head: one small GEMM per
+    # (sequence, KV head) rather than per query head, and no copy of the KV heads.
+    q_NGRd = gather_rows(q_THd, meta.query_rows_NQ).view(N, Q, G, h, d).transpose(1, 2).reshape(N, G, Q * h, d)
+    k_NGXd = gather_rows(cache.k_SGd, meta.context_slots_NX).transpose(1, 2)
+    v_NGXe = gather_rows(cache.v_SGe, meta.context_slots_NX).transpose(1, 2)
+    k_pos_X = torch.arange(X, device=q_THd.device)
     visible_NQX = (k_pos_X <= meta.query_pos_NQ[..., None]) & meta.context_valid_NX[:, None, :]
     if layer.window is not None:
         visible_NQX &= k_pos_X > meta.query_pos_NQ[..., None] - layer.window
-    out_NQHe = F.scaled_dot_product_attention(
-        q_NHQd, k_NGXd, v_NGXe, attn_mask=visible_NQX[:, None], scale=layer.scale, enable_gqa=True
-    ).transpose(1, 2)  # padded queries see nothing; their rows are never read
-    out_THe[meta.query_rows_NQ[meta.query_valid_NQ]] = out_NQHe[meta.query_valid_NQ].to(out_THe.dtype)
+    visible_N1RX = visible_NQX[:, :, None].expand(N, Q, h, X).reshape(N, 1, Q * h, X)
+    out_NGRe = F.scaled_dot_product_attention(
+        q_NGRd.float(), k_NGXd.float(), v_NGXe.float(), attn_mask=visible_N1RX, scale=layer.scale
+    )  # padded queries see nothing; their rows are never read
+    out_NQHe = out_NGRe.view(N, G, Q, h, e).transpose(1, 2).reshape(N * Q, H, e)
+    out_THe[:W] = out_NQHe.index_select(0, meta.padded_query_W)
     return out_THe
+
+
+def gather_rows(x_R__: torch.Tensor, rows_NX: torch.Tensor) -> torch.Tensor:
+    """`x_R__[rows_NX]`, as one `index_select` over the flattened rows (several times faster on CPU)."""
+    return x_R__.index_select(0, rows_NX.flatten()).view(*rows_NX.shape, *x_R__.shape[1:])
 
 
 @paged_attention.register_fake
