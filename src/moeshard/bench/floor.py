@@ -33,6 +33,11 @@ class RecordMatmuls(TorchDispatchMode):
             self.calls.append((func, args, kwargs))
         return func(*args, **kwargs)
 
+    def replay(self) -> None:
+        """The recorded matmuls alone, on the same operands."""
+        for func, args, kwargs in self.calls:
+            func(*args, **kwargs)
+
 
 @dataclass(frozen=True)
 class DecodeFloor:
@@ -73,12 +78,7 @@ def decode_floor(llm, sequences: int, context: int, vocab: int, repeats: int = 5
         step_ms = median_ms(core.step, repeats)
         with RecordMatmuls() as recorder:
             core.step()
-
-        def gemms():
-            for func, args, kwargs in recorder.calls:
-                func(*args, **kwargs)
-
-        gemms_ms = median_ms(gemms, repeats)
+        gemms_ms = median_ms(recorder.replay, repeats)
     finally:
         for request_id in ids:
             core.abort(request_id)

@@ -1,13 +1,18 @@
-"""`moeshard bench layer`: one rank's MoE layer vs. transformers' Qwen3-MoE block and a dense GEMM.
+"""`moeshard bench layer`: one rank's MoE layer vs. transformers' Qwen3-MoE block, a dense GEMM,
+and the layer's own GEMMs alone (its floor: the same matmul calls on the same operands, replayed).
 
 Every contender runs in this process on the same random weights and inputs, and each transformers
 variant's output is checked against moeshard's before it is timed, so the table compares equal work.
+The contenders take turns, one call each per repetition, and every ratio is a median of
+per-repetition ratios with its spread: a noisy machine slows neighbours alike.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -19,11 +24,10 @@ from transformers import Qwen3MoeConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from moeshard.bench.floor import median_ms
+from moeshard.bench.floor import RecordMatmuls, median_ms
 from moeshard.moe import MoEConfig, MoELayer, MoEWeights, RouterConfig, moe_forward_context
 
 CFG = MoEConfig(hidden=1024, num_experts=64, intermediate=256, router=RouterConfig(top_k=8, scoring="softmax", renormalize=True))
-SHAPES = {"decode": 8, "prefill": 2048}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Outputs are O(1); bf16 carries ~3 significant digits, so a few ulps at |y| ≈ 2-4 is ~5e-2.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -35,13 +39,18 @@ CUDA_ONLY = {
 }
 
 
+MOESHARD, FLOOR, DENSE = "moeshard", "moeshard GEMMs alone", "dense GEMM"
+
+
 @dataclass
 class Row:
     shape: str
     tokens: int
     impl: str
     median_ms: float
-    ratio_to_moeshard: float
+    ratio_to_moeshard: float  # median over repetitions of (its time / moeshard's time)
+    ratio_low: float
+    ratio_high: float
 
 
 def hf_block(weights: MoEWeights, impl: str, dtype: torch.dtype) -> Qwen3MoeSparseMoeBlock:
@@ -93,16 +102,17 @@ def dense_gemm(tokens: int, dtype: torch.dtype, g: torch.Generator) -> Callable[
     return lambda: torch.nn.functional.linear(x_PD, w_ND)
 
 
-def bench_shape(shape, layer, weights, dtype, repeats, advance) -> tuple[list[Row], dict[str, str]]:
-    """Rows for moeshard, every runnable transformers variant and the dense GEMM; notes per impl."""
-    tokens = SHAPES[shape]
+def bench_shape(shape, tokens, layer, weights, dtype, repeats, advance) -> tuple[list[Row], dict[str, str]]:
+    """Rows for moeshard, its GEMMs alone, every runnable transformers variant and the dense GEMM;
+    notes per transformers variant."""
     g = torch.Generator().manual_seed(1)
     x_TD = torch.randn(tokens, CFG.hidden, generator=g).to(dtype)
     # One context around the timing: the engine enters it once per step, not once per layer.
     with moe_forward_context(tokens):
         y_TD = layer(x_TD)
-        times = {"moeshard": median_ms(lambda: layer(x_TD), repeats, WARMUP)}
-    advance(f"{shape}: moeshard")
+        with RecordMatmuls() as recorder:
+            layer(x_TD)
+    contenders: dict[str, Callable] = {MOESHARD: lambda: layer(x_TD), FLOOR: recorder.replay}
     notes = {}
     for impl in ["eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()]:
         name = f"transformers/{impl}"
@@ -112,55 +122,71 @@ def bench_shape(shape, layer, weights, dtype, repeats, advance) -> tuple[list[Ro
             max_diff, rerouted = parity(layer, block, x_TD, y_TD)
             ok = max_diff <= TOLERANCE[dtype]
             notes[name] = f"{'ok' if ok else 'DISAGREES'}, max|Δ| {max_diff:.1e}" + (f"; {rerouted} rerouted" if rerouted else "")
-            times[name] = median_ms(lambda: block(x_TD.unsqueeze(0)), repeats, WARMUP)
-        advance(f"{shape}: {name}")
-    times["dense_gemm"] = median_ms(dense_gemm(tokens, dtype, g), repeats, WARMUP)
-    advance(f"{shape}: dense GEMM")
-    rows = [Row(shape, tokens, impl, ms, ms / times["moeshard"]) for impl, ms in times.items()]
+            contenders[name] = lambda block=block: block(x_TD.unsqueeze(0))
+    contenders[DENSE] = dense_gemm(tokens, dtype, g)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    with moe_forward_context(tokens):
+        for fn in contenders.values():
+            for _ in range(WARMUP):
+                fn()
+        for r in range(repeats):
+            for name, fn in contenders.items():
+                times[name].append(median_ms(fn, 1))
+            advance(f"{shape}: repetition {r + 1}/{repeats}")
+    rows = []
+    for name, ms in times.items():
+        ratios = [t / m for t, m in zip(ms, times[MOESHARD])]
+        rows.append(Row(shape, tokens, name, statistics.median(ms), statistics.median(ratios), min(ratios), max(ratios)))
     return rows, notes
 
 
 def shape_table(rows: list[Row], notes: dict[str, str], dtype_name: str) -> Table:
     table = Table(title=f"{rows[0].shape}: T={rows[0].tokens}, {dtype_name}")
     table.add_column("implementation", no_wrap=True)
-    for column in ("median ms", "ratio", "tokens/s"):
+    for column in ("median ms", "ratio", "spread", "tokens/s"):
         table.add_column(column, justify="right")
     table.add_column("parity vs moeshard")
-    timed = {r.impl: r for r in rows if r.impl != "dense_gemm"}
-    for impl in ["moeshard", *notes]:
+    timed = {r.impl: r for r in rows}
+    for impl in [MOESHARD, FLOOR, *notes, DENSE]:
         r = timed.get(impl)
-        note = notes.get(impl) or "reference"
+        note = notes.get(impl) or ("reference" if impl == MOESHARD else "—")
         if r is None:
-            table.add_row(impl, "—", "—", "—", f"skipped: {note}")
+            table.add_row(impl, "—", "—", "—", "—", f"skipped: {note}")
         else:
             style = "red" if note.startswith("DISAGREES") else None
-            table.add_row(impl, f"{r.median_ms:.3f}", f"{r.ratio_to_moeshard:.2f}", f"{r.tokens / r.median_ms * 1e3:,.0f}", note, style=style)
+            table.add_row(impl, f"{r.median_ms:.3f}", f"{r.ratio_to_moeshard:.2f}", f"{r.ratio_low:.2f}–{r.ratio_high:.2f}",
+                          f"{r.tokens / r.median_ms * 1e3:,.0f}", note, style=style)
     return table
 
 
 def run_bench_layer(args) -> int:
     dtype = DTYPES[args.dtype]
+    shapes = {"decode": args.decode_tokens, "prefill": args.prefill_tokens}
     weights = MoEWeights.random(CFG, seed=0)
     layer = MoELayer(CFG, weights, dtype=dtype, name="bench.layer")
-    console = Console(highlight=False)
-    impls = 2 + len(ALL_EXPERTS_FUNCTIONS.valid_keys()) + 1  # moeshard, eager, the registered ones, dense
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     rows, disagreed = [], False
     with torch.inference_mode(), Progress(
         TextColumn("[bold]bench layer[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
         TimeElapsedColumn(), console=console,
     ) as progress:
-        task = progress.add_task("", total=len(SHAPES) * impls)
-        for shape in SHAPES:
+        task = progress.add_task("", total=len(shapes) * args.repeats)
+        for shape, tokens in shapes.items():
+            progress.update(task, description=f"{shape}: parity checks")
             shape_rows, notes = bench_shape(
-                shape, layer, weights, dtype, args.repeats, lambda what: progress.update(task, advance=1, description=what)
+                shape, tokens, layer, weights, dtype, args.repeats,
+                lambda what: progress.update(task, advance=1, description=what),
             )
             rows += shape_rows
             disagreed |= any(n and n.startswith("DISAGREES") for n in notes.values())
             progress.console.print(shape_table(shape_rows, notes, args.dtype))
-            dense = shape_rows[-1]
+            by_impl = {r.impl: r for r in shape_rows}
+            floor, dense = by_impl[FLOOR], by_impl[DENSE]
             progress.console.print(
-                f"dense GEMM [{dense.tokens * CFG.router.top_k}, {CFG.hidden}] @ [{CFG.hidden}, {3 * CFG.intermediate}] "
-                f"(same FLOPs): {dense.median_ms:.3f} ms; moeshard is {1 / dense.ratio_to_moeshard:.1f}× dense-GEMM time\n"
+                f"moeshard takes {1 / floor.ratio_to_moeshard:.2f}× the time of its own GEMMs alone "
+                f"({floor.median_ms:.3f} ms) and {1 / dense.ratio_to_moeshard:.1f}× that of one dense GEMM of the same "
+                f"FLOPs, [{tokens * CFG.router.top_k}, {CFG.hidden}] @ [{CFG.hidden}, {3 * CFG.intermediate}] "
+                f"({dense.median_ms:.3f} ms)\n"
             )
     if args.json:
         with open(args.json, "w") as f:
