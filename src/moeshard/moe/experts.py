@@ -67,8 +67,13 @@ class GroupedExperts(nn.Module):
 
 
 def grouped_swiglu(x_MD, w13_LFD, w2_LDI, group_ends_L: torch.Tensor) -> torch.Tensor:
-    """Rows sorted by local expert; rows past `group_ends_L[-1]` come back as zeros."""
+    """Rows sorted by local expert; rows past `group_ends_L[-1]` come back undefined (see
+    `zero_rows_past_groups_` for a caller that reads them)."""
     gate_MI, up_MI = grouped_linear(x_MD, w13_LFD.transpose(1, 2), group_ends_L).chunk(2, dim=-1)
-    y_MD = grouped_linear(F.silu(gate_MI) * up_MI, w2_LDI.transpose(1, 2), group_ends_L)
-    valid_M1 = (torch.arange(x_MD.shape[0], device=x_MD.device) < group_ends_L[-1]).unsqueeze(1)
-    return torch.where(valid_M1, y_MD, torch.zeros((), dtype=y_MD.dtype, device=y_MD.device))
+    return grouped_linear(F.silu(gate_MI) * up_MI, w2_LDI.transpose(1, 2), group_ends_L)
+
+
+def zero_rows_past_groups_(y_MD: torch.Tensor, group_ends_L: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, the rows no group computed (without a host sync)."""
+    past_M1 = (torch.arange(y_MD.shape[0], device=y_MD.device) >= group_ends_L[-1]).unsqueeze(1)
+    return y_MD.masked_fill_(past_M1, 0)

@@ -11,7 +11,7 @@ are disjoint:
 from __future__ import annotations
 
 from moeshard.moe.dispatch.base import Dispatched, Prepared, Staged, TokenDispatcher, pad_routing, sum_over_topk, unsort
-from moeshard.moe.experts import group_by_expert
+from moeshard.moe.experts import group_by_expert, zero_rows_past_groups_
 from moeshard.parallel import state
 
 
@@ -45,7 +45,9 @@ class AllGatherDispatcher(Staged, TokenDispatcher):
         return Dispatched(prepared.x_RD[order_P // K], group_ends_L, order_P)
 
     def combine(self, y_MD, dispatched, prepared):
-        # Pairs whose expert lives elsewhere were not computed here: their rows are zeros.
+        if self.maps.num_local < self.num_experts:
+            # Pairs whose expert lives elsewhere were not computed here: they add zeros.
+            zero_rows_past_groups_(y_MD, dispatched.group_ends_L)
         return sum_over_topk(unsort(y_MD, dispatched.state), prepared.topk_weights_RK)
 
     def finalize(self, y_RD, prepared):

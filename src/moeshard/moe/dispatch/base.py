@@ -82,8 +82,9 @@ def build_expert_maps(num_experts: int, parallel: ParallelState) -> ExpertMaps:
 def sum_over_topk(y_PD: torch.Tensor, topk_weights_RK: torch.Tensor) -> torch.Tensor:
     """Pairs in (row, k) order → each row's weighted sum of its K expert outputs (in fp32)."""
     R, K = topk_weights_RK.shape
-    y_RKD = y_PD.view(R, K, -1).float()
-    return (y_RKD * topk_weights_RK.unsqueeze(-1)).sum(dim=1).to(y_PD.dtype)
+    # One batched [1, K] @ [K, D] per row: a single pass over the pairs, no [R, K, D] temporary.
+    y_R1D = torch.bmm(topk_weights_RK.float().unsqueeze(1), y_PD.view(R, K, -1).float())
+    return y_R1D.squeeze(1).to(y_PD.dtype)
 
 
 class TokenDispatcher(abc.ABC):
