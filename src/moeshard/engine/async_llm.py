@@ -110,8 +110,7 @@ class AsyncLLM:
             try:
                 self.apply(adds, aborts, calls)
                 if self.core.has_unfinished:
-                    for delta in self.core.step():
-                        self.deliver(delta)
+                    self.deliver(self.core.step())
             except BaseException as exc:  # a failed rank: every live stream hears it, later calls refuse
                 self.fail(exc)
                 return
@@ -134,9 +133,14 @@ class AsyncLLM:
             else:
                 loop.call_soon_threadsafe(future.set_result, result)
 
-    def deliver(self, delta: RequestDelta) -> None:
-        queue, loop = self.streams[delta.request_id] if not delta.finished else self.streams.pop(delta.request_id)
-        loop.call_soon_threadsafe(queue.put_nowait, delta)
+    def deliver(self, deltas: list[RequestDelta]) -> None:
+        """Hand a step's deltas over: one wake-up of each event loop per step, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
+        for delta in deltas:
+            queue, loop = self.streams[delta.request_id] if not delta.finished else self.streams.pop(delta.request_id)
+            by_loop.setdefault(loop, []).append((queue, delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(put_all, items)
 
     def fail(self, exc: BaseException) -> None:
         with self.lock:
@@ -158,3 +162,8 @@ class AsyncLLM:
             self.lock.notify()
         self.thread.join(timeout)
         self.llm.close()
+
+
+def put_all(items: list[tuple[asyncio.Queue, RequestDelta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
