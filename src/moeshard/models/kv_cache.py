@@ -49,8 +49,8 @@ def allocate(spec: CacheSpec, num_blocks: int, block_size: int, dtype: torch.dty
 @dataclass(frozen=True)
 class AttentionMetadata:
     """One step's flat batch of N sequences: sequence i's new tokens are rows
-    [query_starts[i], query_starts[i+1]); rows after the last sequence's are padding (slot -1:
-    written nowhere, output zero).
+    [query_starts[i], query_starts[i+1]); rows after the last sequence's (W = query_starts[-1]
+    onwards) are padding: written nowhere, output zero.
 
     The gather tables are built once per step and shared by every layer: sequence i's context
     slots (keys 0 … seq_lens[i]-1), its query rows padded to the step's longest chunk Q, and where
@@ -60,7 +60,7 @@ class AttentionMetadata:
 
     query_starts: tuple[int, ...]  # len N + 1
     seq_lens: tuple[int, ...]  # context length after this step, new tokens included
-    slot_mapping_T: torch.Tensor  # int64, -1 for padding rows
+    slot_mapping_W: torch.Tensor  # int64 slot of each of the step's W new tokens
     context_slots_NX: torch.Tensor  # int64 [N, X], X = max seq_len; 0 past a sequence's length
     context_valid_NX: torch.Tensor  # bool
     query_rows_NQ: torch.Tensor  # int64 [N, Q]: row of each query; 0 past a sequence's chunk
@@ -74,7 +74,6 @@ class AttentionMetadata:
         seq_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         block_size: int,
-        padded_rows: int,
         device="cpu",
     ) -> "AttentionMetadata":
         N = len(query_lens)
@@ -93,15 +92,13 @@ class AttentionMetadata:
         q_valid_NQ = q_off_Q < qlens_N[:, None]
         q_pos_NQ = (lens_N - qlens_N)[:, None] + q_off_Q
         # The new tokens' slots are the context slots at their positions.
-        new_slots = slots_NX.gather(1, q_pos_NQ.clamp(max=max(slots_NX.shape[1] - 1, 0)))[q_valid_NQ]
-        slot_mapping_T = torch.full((padded_rows,), -1, dtype=torch.int64)
-        slot_mapping_T[: new_slots.numel()] = new_slots
+        slot_mapping_W = slots_NX.gather(1, q_pos_NQ.clamp(max=max(slots_NX.shape[1] - 1, 0)))[q_valid_NQ]
         rows_NQ = torch.where(q_valid_NQ, torch.tensor(starts[:-1], dtype=torch.int64)[:, None] + q_off_Q, 0)
         padded_query_W = q_valid_NQ.flatten().nonzero().flatten()
         return cls(
             tuple(starts),
             tuple(seq_lens),
-            *(t.to(device) for t in (slot_mapping_T, slots_NX, valid_NX, rows_NQ, q_pos_NQ, padded_query_W)),
+            *(t.to(device) for t in (slot_mapping_W, slots_NX, valid_NX, rows_NQ, q_pos_NQ, padded_query_W)),
         )
 
 
@@ -150,8 +147,8 @@ def paged_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGe: torch.Tenso
     if cache is None:
         raise RuntimeError(f"attention layer {layer_name!r} has no KV cache; allocate one before running.")
     W = meta.query_starts[-1]  # the step's new tokens are rows 0 … W-1; the rest is padding
-    cache.k_SGd.index_copy_(0, meta.slot_mapping_T[:W], k_TGd[:W].to(cache.k_SGd.dtype))
-    cache.v_SGe.index_copy_(0, meta.slot_mapping_T[:W], v_TGe[:W].to(cache.v_SGe.dtype))
+    cache.k_SGd.index_copy_(0, meta.slot_mapping_W, k_TGd[:W].to(cache.k_SGd.dtype))
+    cache.v_SGe.index_copy_(0, meta.slot_mapping_W, v_TGe[:W].to(cache.v_SGe.dtype))
     out_THe = q_THd.new_zeros((q_THd.shape[0], q_THd.shape[1], v_TGe.shape[-1]))
     if not meta.seq_lens:
         return out_THe

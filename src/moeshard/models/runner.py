@@ -80,7 +80,6 @@ class ModelRunner:
             [c.end for c in chunks],
             [c.blocks for c in chunks],
             self.block_size,
-            rows,
             device,
         )
         ids_T = torch.tensor(ids + [0] * (rows - len(ids)), dtype=torch.int64, device=device)
