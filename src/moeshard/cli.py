@@ -372,13 +372,29 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if under_torchrun() and hasattr(args, "layouts_of"):
+        exit_without_finalizing(reporting_errors(run_on_torchrun, args))
+    return reporting_errors(args.run, args)
+
+
+def reporting_errors(run, args: argparse.Namespace) -> int:
     try:
-        if under_torchrun() and hasattr(args, "layouts_of"):
-            return run_on_torchrun(args)
-        return args.run(args)
+        return run(args)
     except (ValueError, RuntimeError, OSError) as exc:  # bad input or a failed rank: one line, no traceback wall
         print(f"moeshard: error: {exc}", file=sys.stderr)
         return 2
+
+
+def exit_without_finalizing(code: int) -> None:
+    """End a torchrun rank once its groups are destroyed. gloo's worker threads outlive
+    destroy_process_group, and one still releasing the last collective's tensor needs the GIL: if
+    the interpreter is finalizing by then, the thread is unwound inside a noexcept destructor and
+    the rank aborts (SIGABRT) after a run that succeeded, failing the whole torchrun job."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
