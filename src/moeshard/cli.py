@@ -201,10 +201,10 @@ def serve_layouts(args: argparse.Namespace) -> list:
     return [Layout(args.tp, args.dp, args.ep, args.sp)]
 
 
-def rl_demo(args: argparse.Namespace) -> int:
-    from moeshard.demos.rl_demo import rl_demo_command
+def rl(args: argparse.Namespace) -> int:
+    from moeshard.demos.rl import rl_command
 
-    return rl_demo_command(args)
+    return rl_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,11 +286,27 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     srv.set_defaults(run=serve, layouts_of=serve_layouts)
 
-    rl = commands.add_parser("rl-demo", help="a trainer and the engine colocated: sleep, update over a pipe, generate")
-    rl.add_argument("--steps", type=int, default=5)
-    rl.add_argument("--layout", default="1x2-ep", help="TPxDP[-ep][-sp]")
-    rl.add_argument("--json", metavar="PATH")
-    rl.set_defaults(run=rl_demo)
+    rlp = commands.add_parser("rl", help="GRPO on the arithmetic task: engine and trainer colocated, logprobs checked")
+    rlp.add_argument("--model", default=None, help="the starting policy's checkpoint (default: the bundled weak one)")
+    rlp.add_argument("--steps", type=int, default=None, help="GRPO steps (default: as many as --minutes allow)")
+    rlp.add_argument("--minutes", type=float, default=13.0, help="the loop's time budget")
+    rlp.add_argument("--problems", type=int, default=32, help="training problems a step")
+    rlp.add_argument("--group", type=int, default=8, help="completions sampled per problem (G)")
+    rlp.add_argument("--lr", type=float, default=1e-4)
+    rlp.add_argument("--eval-every", type=int, default=25, help="measure held-out accuracy every K steps")
+    rlp.add_argument("--eval-problems", type=int, default=500)
+    rlp.add_argument("--layout", default="1x2-ep", help="TPxDP[-ep][-sp]")
+    rlp.add_argument("--moe-comm", default="alltoall", choices=("auto", "allgather", "alltoall", "mc2", "fused_mc2"))
+    rlp.add_argument("--compile", action="store_true")
+    rlp.add_argument("--compile-backend", default="inductor")
+    rlp.add_argument("--seed", type=int, default=0)
+    rlp.add_argument(
+        "--negative-control", action="store_true",
+        help="leave the derived tensors as the poisoned wake made them: the run must stop at the first step after a wake",
+    )
+    rlp.add_argument("--json", metavar="PATH", help="one object per step")
+    rlp.add_argument("--plot", metavar="PNG", help="reward, accuracy and |Δ logprob| against step")
+    rlp.set_defaults(run=rl)
 
     tiny = commands.add_parser("tiny", help="write a tiny random checkpoint of a supported architecture")
     from moeshard.verify.tiny import VARIANTS

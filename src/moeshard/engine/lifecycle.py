@@ -143,6 +143,10 @@ class EngineLifecycle:
         """Each rank's resident memory, in MiB."""
         return self.ranks.call("resident_mb")
 
+    def memory_held_mb(self) -> list[dict[str, float]]:
+        """Each rank's weights (with the derived tensors) and KV cache, in MiB: what a sleep releases."""
+        return self.ranks.call("held_mb")
+
     def check_weights_present(self) -> None:
         if "weights" in self.released:
             raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
@@ -157,7 +161,7 @@ class EngineLifecycle:
 @dataclass
 class Asleep:
     level: int
-    shapes: dict[int, torch.Size]  # of every released weight and derived tensor, by id
+    released_tensors: dict[int, memory.Released]  # every released weight and derived tensor, by id
     backup: list[torch.Tensor] | None  # level 1: the weights, on the host
     released: set[str]  # "weights", "kv_cache": what a wake has not yet re-created
 
@@ -177,15 +181,20 @@ class RankLifecycle:
     def resident_mb(self) -> float:
         return memory.resident_mb()
 
+    def held_mb(self) -> dict[str, float]:
+        tensors = self.weights() + self.derived_tensors()
+        weights = sum(t.numel() * t.element_size() for t in tensors)
+        return {"weights": weights / 2**20, "kv_cache": self.runner.kv_cache_bytes() / 2**20}
+
     def sleep(self, level: int) -> float:
         """Release the KV cache, the derived tensors and the weights (level 1: backed up to the
         host first). Returns this rank's resident memory afterwards, in MiB."""
         tensors = self.weights()
         backup = [t.detach().clone() for t in tensors] if level == 1 else None
-        shapes = memory.release(tensors + self.derived_tensors())
+        released = memory.release(tensors + self.derived_tensors())
         self.runner.release_kv_cache()
         memory.return_memory_to_os()
-        self.asleep = Asleep(level, shapes, backup, set(TAGS))
+        self.asleep = Asleep(level, released, backup, set(TAGS))
         return memory.resident_mb()
 
     def wake(self, tags: list[str], poison: bool, rebuild_derived: bool = True) -> float:
@@ -196,7 +205,7 @@ class RankLifecycle:
             return memory.resident_mb()
         if "weights" in tags and "weights" in asleep.released:
             tensors = self.weights()
-            memory.recreate(tensors + self.derived_tensors(), asleep.shapes, poison)
+            memory.recreate(tensors + self.derived_tensors(), asleep.released_tensors, poison)
             if asleep.backup is not None:
                 for t, saved in zip(tensors, asleep.backup, strict=True):
                     t.data.copy_(saved)

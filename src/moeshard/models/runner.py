@@ -112,6 +112,10 @@ class ModelRunner:
                 fill_garbage(cache.v_SGe)
         self.model.set_kv_caches(caches)
 
+    def kv_cache_bytes(self) -> int:
+        slots, itemsize = self.num_blocks * self.block_size, self.model.dtype.itemsize
+        return sum(slots * spec.kv_heads * (spec.k_dim + spec.v_dim) * itemsize for spec in self.model.cache_specs())
+
     def release_kv_cache(self) -> None:
         self.model.set_kv_caches(None)
 

@@ -2,7 +2,10 @@
 
 A released tensor keeps its Python object (modules, dispatchers and compiled graphs still hold it)
 with empty storage; re-created, it gets fresh storage of its old shape with undefined contents —
-or, with `poison`, garbage: NaN for floats, random bits for integers (indices far out of range).
+or, with `poison`, garbage that looks like data: random values within the range the tensor held
+before (an index in range, a float of the right size). That is what reused memory leaves behind,
+and no bounds check or NaN test catches it: only a comparison of answers does. A new KV cache has
+no earlier range; `fill_garbage` makes it NaN and random bits.
 """
 
 from __future__ import annotations
@@ -10,24 +13,42 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from dataclasses import dataclass
 
 import torch
 
 
-def release(tensors: list[torch.Tensor]) -> dict[int, torch.Size]:
-    """Drop the storage of each tensor; returns each one's shape, by id, for `recreate`."""
-    shapes = {}
+@dataclass(frozen=True)
+class Released:
+    shape: torch.Size
+    low: float  # the range of the values it held: what poison draws from
+    high: float
+
+
+def release(tensors: list[torch.Tensor]) -> dict[int, Released]:
+    """Drop the storage of each tensor; returns each one's shape and range, by id, for `recreate`."""
+    released = {}
     for t in tensors:
-        shapes[id(t)] = t.shape
+        low, high = (float(t.min()), float(t.max())) if t.numel() else (0.0, 0.0)
+        released[id(t)] = Released(t.shape, low, high)
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    return shapes
+    return released
 
 
-def recreate(tensors: list[torch.Tensor], shapes: dict[int, torch.Size], poison: bool) -> None:
+def recreate(tensors: list[torch.Tensor], released: dict[int, Released], poison: bool) -> None:
     for t in tensors:
-        t.data = torch.empty(shapes[id(t)], dtype=t.dtype, device=t.device)
+        was = released[id(t)]
+        t.data = torch.empty(was.shape, dtype=t.dtype, device=t.device)
         if poison:
-            fill_garbage(t)
+            fill_plausible(t, was.low, was.high)
+
+
+def fill_plausible(t: torch.Tensor, low: float, high: float) -> None:
+    """Random values in [low, high]: wrong, but of the kind the tensor holds."""
+    if t.dtype.is_floating_point:
+        t.data.uniform_(low, high)
+    else:
+        t.data.copy_(torch.randint(int(low), int(high) + 1, t.shape, device=t.device).to(t.dtype))
 
 
 def fill_garbage(t: torch.Tensor) -> None:

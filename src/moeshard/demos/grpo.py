@@ -1,0 +1,180 @@
+"""The trainer half of `moeshard rl`: GRPO on the engine's rollouts, in a process of its own.
+
+The trainer holds the policy as a transformers model in float32 with a torch optimizer. Each step
+it receives a rollout (the sampled sequences, the engine's logprob of every sampled token and each
+sequence's advantage), recomputes the logprobs of the same tokens with the weights the engine
+sampled from, and compares the two: that gap is the number RL users watch (verl logs it as
+rollout-vs-actor probability difference), because any gap biases the policy gradient. Over the
+tolerance it refuses to train. Otherwise it takes clipped policy-gradient steps and sends the new
+weights back under the checkpoint's own names.
+
+Everything crosses the pipe as bytes: reports as JSON, tensors as safetensors (no pickle, so
+neither side runs code the other sends). Shapes: N sequences, S positions (prompt, then
+completion, right-padded), P problems, G completions per problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load, save
+
+from moeshard.runtime import memory
+
+END = b"END"  # closes one update
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    lr: float = 1e-4
+    warmup: int = 20  # optimizer steps of linear warm-up: Adam's first steps move every weight by ~lr
+    clip: float = 0.2  # PPO's ε: the ratio to the rollout policy is clipped to [1 − ε, 1 + ε]
+    minibatches: int = 2  # optimizer steps per rollout; after the first the policy is off the rollout's
+    max_grad_norm: float = 1.0
+    tolerance: float = 1e-4  # largest |Δ logprob| between engine and trainer it trains on
+
+
+@dataclass(frozen=True)
+class Rollout:
+    tokens_NS: torch.Tensor  # int64, prompt then completion, right-padded
+    completion_NS: torch.Tensor  # bool: the positions the engine sampled
+    engine_logprobs_NS: torch.Tensor  # float32: the engine's logprob of each sampled token (0 elsewhere)
+    advantages_N: torch.Tensor  # float32, one per sequence
+
+    def to_bytes(self) -> bytes:
+        return save({k: v.contiguous() for k, v in vars(self).items()})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Rollout":
+        return cls(**load(data))
+
+
+def group_advantages(rewards_PG: torch.Tensor) -> torch.Tensor:
+    """GRPO's advantage: each completion's reward against its own group's mean, in the group's
+    standard deviations. A group whose completions all scored the same teaches nothing: 0."""
+    mean_P1 = rewards_PG.mean(1, keepdim=True)
+    std_P1 = rewards_PG.std(1, keepdim=True, unbiased=False)
+    return ((rewards_PG - mean_P1) / (std_P1 + 1e-6)).flatten()
+
+
+def sampled_logprobs(model, tokens_NS: torch.Tensor) -> torch.Tensor:
+    """Logprob of every token given the ones before it (position 0, which has none: 0)."""
+    logits_NSV = model(input_ids=tokens_NS).logits.float()
+    logprobs_NS = logits_NSV[:, :-1].log_softmax(-1).gather(-1, tokens_NS[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(logprobs_NS, (1, 0))
+
+
+def clipped_loss(logprobs_NS, old_NS, advantages_N, mask_NS, clip: float) -> torch.Tensor:
+    """PPO's clipped surrogate, averaged over the sampled tokens (every token counts the same, so a
+    long completion is not worth less per token than a short one)."""
+    ratio_NS = (logprobs_NS - old_NS).exp()
+    adv_N1 = advantages_N[:, None]
+    surrogate_NS = torch.minimum(ratio_NS * adv_N1, ratio_NS.clamp(1 - clip, 1 + clip) * adv_N1)
+    return -(surrogate_NS * mask_NS).sum() / mask_NS.sum().clamp(min=1)
+
+
+def logprob_gap(trainer_NS: torch.Tensor, engine_NS: torch.Tensor, mask_NS: torch.Tensor) -> dict[str, float]:
+    """How far the engine's logprobs are from the trainer's on the sampled tokens (NaN counts as ∞)."""
+    gap = (trainer_NS - engine_NS).abs().nan_to_num(nan=math.inf)[mask_NS]
+    ratio_deviation = ((trainer_NS - engine_NS).exp() - 1).abs().nan_to_num(nan=math.inf)[mask_NS]
+    return {
+        "max_abs_dlogprob": float(gap.max()) if gap.numel() else 0.0,
+        "mean_abs_dlogprob": float(gap.mean()) if gap.numel() else 0.0,
+        "max_ratio_deviation": float(ratio_deviation.max()) if ratio_deviation.numel() else 0.0,
+    }
+
+
+class Trainer:
+    def __init__(self, model_dir: str, config: GRPOConfig, seed: int):
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # the engine's console is the one the user reads
+        torch.manual_seed(seed)
+        self.config = config
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()  # no dropout: the logprobs must be the engine's
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
+        self.updates = 0
+        with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
+            self.names = set(f.keys())
+
+    def step(self, rollout: Rollout) -> dict:
+        """Check the gap on the rollout, then (if within tolerance) train on it."""
+        mask_NS = rollout.completion_NS
+        with torch.no_grad():
+            old_NS = sampled_logprobs(self.model, rollout.tokens_NS)
+        report = logprob_gap(old_NS, rollout.engine_logprobs_NS, mask_NS)
+        report["trained"] = report["max_abs_dlogprob"] <= self.config.tolerance
+        if not report["trained"]:
+            return report
+        losses, awake = [], 0.0
+        for rows in torch.arange(len(mask_NS)).chunk(self.config.minibatches):
+            logprobs_NS = sampled_logprobs(self.model, rollout.tokens_NS[rows])
+            loss = clipped_loss(logprobs_NS, old_NS[rows], rollout.advantages_N[rows], mask_NS[rows], self.config.clip)
+            self.updates += 1
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.lr * min(1.0, self.updates / self.config.warmup)
+            self.optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            awake = max(awake, memory.resident_mb())
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            self.optimizer.step()
+            losses.append(loss.item())
+        # While the engine runs, the trainer keeps only the weights and the optimizer's moments.
+        self.optimizer.zero_grad(set_to_none=True)
+        memory.return_memory_to_os()
+        report.update(loss=sum(losses) / len(losses), rss_trainer_awake_mb=awake, rss_trainer_asleep_mb=memory.resident_mb())
+        return report
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The weights under the checkpoint's names (transformers' own save-time conversion: per-expert
+        tensors, no tied LM head), exactly the set the engine's update schema expects."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(self.model, dict(self.model.state_dict()))
+        weights = {n: t.detach().contiguous() for n, t in state.items() if n in self.names}
+        if set(weights) != self.names:
+            missing = sorted(self.names - set(weights))
+            raise RuntimeError(f"the trainer's weights lack checkpoint tensor(s) {missing[:3]}; cannot update the engine.")
+        return weights
+
+
+def send_weights(conn, weights: dict[str, torch.Tensor], part_of) -> None:
+    """One safetensors message per model part (a layer, the embedding, …), then END."""
+    parts: dict[object, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        parts.setdefault(part_of(name), {})[name] = tensor
+    for part in parts.values():
+        conn.send_bytes(save(part))
+    conn.send_bytes(END)
+
+
+def receive_weights(conn):
+    """The update stream, (name, tensor) pairs, until END."""
+    while (message := conn.recv_bytes()) != END:
+        yield from load(message).items()
+
+
+def serve_trainer(conn, model_dir: str, config: dict, seed: int) -> None:
+    """The trainer process: {"cmd": "step"} + a rollout → a report (+ the new weights when it trained)."""
+    from moeshard.models.model import part_of
+
+    torch.set_num_threads(2)
+    try:
+        trainer = Trainer(model_dir, GRPOConfig(**config), seed)
+        conn.send_bytes(json.dumps({"ready": True, "rss_mb": memory.resident_mb()}).encode())
+        while json.loads(conn.recv_bytes())["cmd"] == "step":
+            report = trainer.step(Rollout.from_bytes(conn.recv_bytes()))
+            conn.send_bytes(json.dumps(report).encode())
+            if report["trained"]:
+                send_weights(conn, trainer.checkpoint_weights(), part_of)
+    except (EOFError, BrokenPipeError):
+        pass  # the engine side went away; nothing to report to
+    except Exception as exc:
+        conn.send_bytes(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+    finally:
+        conn.close()

@@ -1,0 +1,366 @@
+"""`moeshard rl`: a colocated GRPO loop on the bundled arithmetic task, engine and trainer side by side.
+
+Each step the engine samples G completions of P training problems (temperature 1, every request
+seeded); the reward is exact match; the engine sleeps (level 2: weights and KV cache released); the
+trainer (moeshard.demos.grpo, its own process) recomputes the logprobs of the sampled tokens,
+checks them against the engine's, and takes clipped policy-gradient steps; the engine wakes with
+poisoned memory, takes the new weights over the pipe and samples again. Every K steps the engine
+measures greedy exact-match accuracy on held-out problems.
+
+The policy starts from `arithmetic_moe_weak/` (the training script stopped at held-out accuracy
+0.49, float32, so trainer and engine hold the same numbers). A gap between the engine's logprobs and the trainer's
+over the tolerance stops the run with an error naming it, before the trainer trains on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from moeshard.bundled.arithmetic import HELD_OUT, Problem, held_out, random_problem
+from moeshard.demos.grpo import GRPOConfig, Rollout, group_advantages, receive_weights, serve_trainer
+from moeshard.engine import LLM, SamplingParams
+from moeshard.parallel import Layout
+
+WEAK_MODEL_DIR = Path(__file__).parents[1] / "bundled" / "arithmetic_moe_weak"
+ANSWER_TOKENS = 6  # "-1998" and <eos>
+
+
+class LogprobGapError(RuntimeError):
+    """The engine's logprobs disagree with the trainer's on the tokens the engine sampled."""
+
+
+@dataclass(frozen=True)
+class RLOptions:
+    steps: int | None = None  # None: as many as `minutes` allow
+    minutes: float = 13.0  # the loop's time budget (start-up and the last accuracy come on top)
+    problems: int = 32  # P per step
+    group: int = 8  # G completions per problem
+    eval_every: int = 10
+    eval_problems: int = 500
+    layout: Layout = Layout(1, 2, True)
+    moe_comm: str = "alltoall"
+    compile: bool | str = False
+    seed: int = 0
+    model: Path = WEAK_MODEL_DIR
+    grpo: GRPOConfig = GRPOConfig()
+
+
+@dataclass
+class StepRecord:
+    step: int  # 0: the starting policy, before any update
+    reward_mean: float | None = None
+    accuracy: float | None = None  # held-out greedy exact match after this step's update (None: not measured)
+    max_abs_dlogprob: float | None = None  # engine vs trainer on this step's sampled tokens
+    mean_abs_dlogprob: float | None = None
+    max_ratio_deviation: float | None = None  # max |exp(trainer − engine) − 1|: the importance ratio's error
+    rollout_tok_s: float | None = None
+    sleep_s: float | None = None
+    update_s: float | None = None
+    wake_s: float | None = None
+    train_s: float | None = None
+    rss_engine_awake_mb: float | None = None  # all engine ranks together
+    rss_engine_asleep_mb: float | None = None
+    rss_trainer_awake_mb: float | None = None
+    rss_trainer_asleep_mb: float | None = None
+    engine_held_mb: float | None = None  # the engine's weights, derived tensors and KV cache, all ranks
+    elapsed_s: float = 0.0
+
+
+def reward(problem: Problem, text: str) -> float:
+    """Exact match. No format reward: every completion of the starting policy is already a
+    well-formed number, so one would add a constant and teach nothing."""
+    return float(text == problem.answer)
+
+
+def training_problems(rng: random.Random, n: int, excluded: set[str]) -> list[Problem]:
+    problems = []
+    while len(problems) < n:
+        problem = random_problem(rng)
+        if problem.prompt not in excluded:
+            problems.append(problem)
+    return problems
+
+
+def accuracy(llm: LLM, problems: list[Problem]) -> float:
+    greedy = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS)
+    outputs = llm.generate([p.prompt for p in problems], greedy)
+    return sum(o.text == p.answer for o, p in zip(outputs, problems)) / len(problems)
+
+
+def rollout_of(llm: LLM, outputs, rewards: list[float], group: int) -> Rollout:
+    """The sampled sequences as tensors: prompt then completion, right-padded."""
+    sequences = [llm.encode(o.prompt) + o.token_ids for o in outputs]
+    width = max(map(len, sequences))
+    tokens_NS = torch.zeros(len(outputs), width, dtype=torch.int64)
+    completion_NS = torch.zeros(len(outputs), width, dtype=torch.bool)
+    engine_NS = torch.zeros(len(outputs), width)
+    for i, (o, seq) in enumerate(zip(outputs, sequences)):
+        start = len(seq) - len(o.token_ids)
+        tokens_NS[i, : len(seq)] = torch.tensor(seq)
+        completion_NS[i, start : len(seq)] = True
+        engine_NS[i, start : len(seq)] = torch.tensor([top[t] for t, top in zip(o.token_ids, o.logprobs)])
+    advantages_N = group_advantages(torch.tensor(rewards).view(-1, group))
+    return Rollout(tokens_NS, completion_NS, engine_NS, advantages_N)
+
+
+class TrainerProcess:
+    """The trainer's process and its end of the pipe: JSON reports, safetensors tensors."""
+
+    def __init__(self, options: RLOptions):
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        args = (theirs, str(options.model), asdict(options.grpo), options.seed)
+        self.proc = ctx.Process(target=serve_trainer, args=args, daemon=True)
+        self.proc.start()
+        theirs.close()
+        self.ready = self.report()
+
+    def report(self) -> dict:
+        try:
+            report = json.loads(self.conn.recv_bytes())
+        except EOFError:
+            self.proc.join(timeout=5)
+            raise RuntimeError(f"the trainer process died (exit code {self.proc.exitcode}).") from None
+        if "error" in report:
+            raise RuntimeError(f"the trainer failed: {report['error']}")
+        return report
+
+    def step(self, rollout: Rollout) -> dict:
+        self.conn.send_bytes(json.dumps({"cmd": "step"}).encode())
+        self.conn.send_bytes(rollout.to_bytes())
+        return self.report()
+
+    def close(self) -> None:
+        try:
+            self.conn.send_bytes(json.dumps({"cmd": "stop"}).encode())
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def run_rl(options: RLOptions, on_step=lambda record: None) -> list[StepRecord]:
+    """The loop; one record per step, and step 0 for the starting policy's accuracy."""
+    start = time.monotonic()
+    held = held_out(HELD_OUT)
+    eval_set, excluded = held[: options.eval_problems], {p.prompt for p in held}
+    rng = random.Random(options.seed)
+    per_group = -(-options.problems * options.group // options.layout.dp)
+    trainer = TrainerProcess(options)
+    records: list[StepRecord] = []
+    try:
+        with LLM(
+            str(options.model),
+            tensor_parallel_size=options.layout.tp,
+            data_parallel_size=options.layout.dp,
+            enable_expert_parallel=options.layout.ep,
+            enable_sequence_parallel=options.layout.sp,
+            moe_comm=options.moe_comm,
+            compile=options.compile,
+            max_num_seqs=max(per_group, 16),
+            max_num_batched_tokens=max(per_group * 8, 512),
+            seed=options.seed,
+        ) as llm:
+            held_mb = sum(sum(held.values()) for held in llm.memory_held_mb())
+            records.append(StepRecord(0, accuracy=accuracy(llm, eval_set), engine_held_mb=held_mb))
+            on_step(records[0])
+            budget_end = time.monotonic() + options.minutes * 60
+            for step in itertools.count(1):
+                records.append(one_step(llm, trainer, options, step, rng, excluded))
+                records[-1].engine_held_mb = held_mb
+                last = step == options.steps or time.monotonic() >= budget_end
+                if step % options.eval_every == 0 or last:
+                    records[-1].accuracy = accuracy(llm, eval_set)
+                records[-1].elapsed_s = time.monotonic() - start
+                on_step(records[-1])
+                if last:
+                    break
+    finally:
+        trainer.close()
+    return records
+
+
+def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, rng, excluded) -> StepRecord:
+    problems = training_problems(rng, options.problems, excluded)
+    grouped = [p for p in problems for _ in range(options.group)]
+    first_seed = (options.seed * 1_000_003 + step) * len(grouped)
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=ANSWER_TOKENS, logprobs=0, seed=first_seed + i)
+        for i in range(len(grouped))
+    ]
+    t0 = time.perf_counter()
+    outputs = llm.generate([p.prompt for p in grouped], params)
+    rollout_s = time.perf_counter() - t0
+    failed = [o.error for o in outputs if o.error]
+    if failed:
+        raise RuntimeError(f"step {step}: the engine refused a rollout request: {failed[0]}")
+    rewards = [reward(p, o.text) for p, o in zip(grouped, outputs)]
+    rollout = rollout_of(llm, outputs, rewards, options.group)
+
+    awake = sum(llm.resident_mb())
+    t0 = time.perf_counter()
+    asleep = sum(llm.sleep(level=2))
+    sleep_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    report = trainer.step(rollout)
+    train_s = time.perf_counter() - t0
+    if not report["trained"]:
+        raise LogprobGapError(
+            f"step {step}: the engine's logprobs differ from the trainer's on the tokens it sampled by up to "
+            f"{report['max_abs_dlogprob']:.3g} (tolerance {options.grpo.tolerance:g}, importance ratio off by "
+            f"{report['max_ratio_deviation']:.3g}); the rollout was not trained on."
+        )
+    t0 = time.perf_counter()
+    llm.wake_up(["weights"], poison=True)
+    wake_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.update_weights(receive_weights(trainer.conn))
+    update_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.wake_up(["kv_cache"], poison=True)
+    wake_s += time.perf_counter() - t0
+    return StepRecord(
+        step=step,
+        reward_mean=sum(rewards) / len(rewards),
+        max_abs_dlogprob=report["max_abs_dlogprob"],
+        mean_abs_dlogprob=report["mean_abs_dlogprob"],
+        max_ratio_deviation=report["max_ratio_deviation"],
+        rollout_tok_s=int(rollout.completion_NS.sum()) / rollout_s,
+        sleep_s=sleep_s,
+        update_s=update_s,
+        wake_s=wake_s,
+        train_s=train_s,
+        rss_engine_awake_mb=awake,
+        rss_engine_asleep_mb=asleep,
+        rss_trainer_awake_mb=report["rss_trainer_awake_mb"],
+        rss_trainer_asleep_mb=report["rss_trainer_asleep_mb"],
+    )
+
+
+def summary(records: list[StepRecord]) -> dict:
+    steps = [r for r in records if r.step > 0]
+    measured = [r for r in records if r.accuracy is not None]
+    # From step 2 on, the KV cache has been written whole (a poisoned wake touches every page);
+    # before, untouched zero pages of a fresh cache are not resident and cannot be released.
+    after_wake = [r for r in steps if r.step > 1] or steps
+    return {
+        "accuracy_start": measured[0].accuracy,
+        "accuracy_end": measured[-1].accuracy,
+        "worst_max_abs_dlogprob": max(r.max_abs_dlogprob for r in steps),
+        "worst_max_ratio_deviation": max(r.max_ratio_deviation for r in steps),
+        "min_engine_drop_mb": min(r.rss_engine_awake_mb - r.rss_engine_asleep_mb for r in after_wake),
+        "engine_held_mb": records[0].engine_held_mb,
+        "median_rollout_tok_s": sorted(r.rollout_tok_s for r in steps)[len(steps) // 2],
+        "elapsed_s": records[-1].elapsed_s,
+    }
+
+
+def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r.step > 0]
+    measured = [r for r in records if r.accuracy is not None]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    top.plot([r.step for r in steps], [r.reward_mean for r in steps], lw=0.8, alpha=0.6, label="mean reward (rollouts, T=1)")
+    top.plot([r.step for r in measured], [r.accuracy for r in measured], "o-", label="held-out greedy accuracy")
+    top.set_ylabel("exact match")
+    top.set_ylim(0, 1)
+    top.legend(loc="lower right")
+    top.set_title(title)
+    bottom.semilogy([r.step for r in steps], [r.max_abs_dlogprob for r in steps], lw=0.8, label="max |Δ logprob|")
+    bottom.semilogy([r.step for r in steps], [r.mean_abs_dlogprob for r in steps], lw=0.8, label="mean |Δ logprob|")
+    bottom.axhline(tolerance, color="red", ls="--", lw=0.8, label=f"tolerance {tolerance:g}")
+    bottom.set_ylabel("engine vs trainer, sampled tokens")
+    bottom.set_xlabel("GRPO step")
+    bottom.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rl_command(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    if args.negative_control:
+        os.environ["MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD"] = "1"  # read by the engine it builds
+    options = RLOptions(
+        steps=args.steps,
+        minutes=args.minutes,
+        problems=args.problems,
+        group=args.group,
+        eval_every=args.eval_every,
+        eval_problems=args.eval_problems,
+        layout=Layout.parse(args.layout),
+        moe_comm=args.moe_comm,
+        compile=args.compile_backend if args.compile else False,
+        seed=args.seed,
+        model=Path(args.model) if args.model else WEAK_MODEL_DIR,
+        grpo=GRPOConfig(lr=args.lr),
+    )
+    title = (
+        f"GRPO on {options.layout.label()}, {options.moe_comm}{', compiled' if options.compile else ''}: "
+        f"{options.problems} problems × {options.group} completions a step"
+    )
+    with Progress(
+        TextColumn("[bold]rl[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:
+        task = progress.add_task("starting engine and trainer", total=options.steps)
+
+        def on_step(r: StepRecord) -> None:
+            if r.accuracy is not None:
+                progress.console.print(f"step {r.step}: held-out accuracy {r.accuracy:.3f} ({r.elapsed_s / 60:.1f} min)")
+            if r.step:
+                progress.update(
+                    task, completed=r.step,
+                    description=f"reward {r.reward_mean:.3f}, max |Δ logprob| {r.max_abs_dlogprob:.1e}",
+                )
+
+        try:
+            records = run_rl(options, on_step)
+        except LogprobGapError as exc:
+            console.print(f"[bold red]stopped[/]: {exc}")
+            return 1
+    table = Table(title=title)
+    for column in ("step", "accuracy", "reward", "max |Δ logprob|", "rollout tok/s", "sleep s", "update s", "wake s",
+                   "engine MiB awake / asleep", "trainer MiB awake / asleep"):
+        table.add_column(column, justify="right")
+    for r in records:
+        if r.accuracy is None or r.step == 0:
+            continue
+        table.add_row(
+            str(r.step), f"{r.accuracy:.3f}", f"{r.reward_mean:.3f}", f"{r.max_abs_dlogprob:.1e}", f"{r.rollout_tok_s:.0f}",
+            f"{r.sleep_s:.3f}", f"{r.update_s:.3f}", f"{r.wake_s:.3f}",
+            f"{r.rss_engine_awake_mb:.0f} / {r.rss_engine_asleep_mb:.0f}",
+            f"{r.rss_trainer_awake_mb:.0f} / {r.rss_trainer_asleep_mb:.0f}",
+        )
+    console.print(table)
+    s = summary(records)
+    console.print(
+        f"held-out accuracy {s['accuracy_start']:.3f} → {s['accuracy_end']:.3f} in {s['elapsed_s'] / 60:.1f} min; "
+        f"worst max |Δ logprob| {s['worst_max_abs_dlogprob']:.2e} (importance ratio within "
+        f"{s['worst_max_ratio_deviation']:.2e} of 1); the engine released ≥ {s['min_engine_drop_mb']:.0f} MiB asleep "
+        f"(it holds {s['engine_held_mb']:.0f} MiB of weights and KV cache)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in records], indent=1) + "\n")
+    if args.plot:
+        plot(records, args.plot, title, options.grpo.tolerance)
+    return 0

@@ -1,0 +1,83 @@
+"""`moeshard rl`: the GRPO loop's pieces, a few real steps, and its negative control."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeshard.demos.grpo import clipped_loss, group_advantages, logprob_gap
+from moeshard.demos.rl import LogprobGapError, RLOptions, run_rl
+
+FEW = dict(steps=3, problems=4, group=4, eval_every=2, eval_problems=16)
+
+
+def test_group_advantages_centre_each_group_and_zero_a_uniform_one():
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]))
+    assert adv[:4].sum().abs() < 1e-5 and adv[0] > 0 > adv[1]
+    assert torch.equal(adv[4:], torch.zeros(4))
+
+
+def test_clipped_loss_is_the_policy_gradient_on_policy_and_clips_off_it():
+    logprobs = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    mask = torch.tensor([[False, True, True]])
+    adv = torch.tensor([2.0])
+    clipped_loss(logprobs, logprobs.detach(), adv, mask, clip=0.2).backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, -1.0, -1.0]]))  # −A / tokens on sampled positions
+    far = torch.tensor([[0.0, -0.5, -2.0]], requires_grad=True)  # token 1 already 1.65× likelier than sampled
+    clipped_loss(far, logprobs.detach(), adv, mask, clip=0.2).backward()
+    assert far.grad[0, 1] == 0 and far.grad[0, 2] != 0
+
+
+def test_logprob_gap_counts_nan_as_infinite():
+    mask = torch.tensor([[True, True]])
+    gap = logprob_gap(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, math.nan]]), mask)
+    assert gap["max_abs_dlogprob"] == math.inf
+    gap = logprob_gap(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]]), mask)
+    assert gap["max_abs_dlogprob"] == pytest.approx(0.5) and gap["mean_abs_dlogprob"] == pytest.approx(0.25)
+
+
+def test_a_few_steps_on_1x2_ep_alltoall_agree_with_the_trainer_and_repeat():
+    """Engine and trainer agree to 1e-4 on every sampled token, at each step (so each update
+    arrived whole and the wake rebuilt what it must); a fixed seed gives the same rewards again."""
+    first = run_rl(RLOptions(**FEW))
+    assert [r.step for r in first] == [0, 1, 2, 3]
+    assert all(r.max_abs_dlogprob <= 1e-4 for r in first[1:])
+    assert [r.accuracy is not None for r in first] == [True, False, True, True]
+    assert all(r.rss_engine_asleep_mb < r.rss_engine_awake_mb for r in first[1:])
+    again = run_rl(RLOptions(**FEW))
+    assert [r.reward_mean for r in again] == [r.reward_mean for r in first]
+    assert [r.accuracy for r in again] == [r.accuracy for r in first]
+
+
+def test_negative_control_stops_at_the_first_step_after_a_wake(monkeypatch):
+    """Derived tensors left as the poisoned wake made them (expert tables and RoPE with wrong but
+    in-range values): the engine answers without an error, and only the logprob check catches it."""
+    monkeypatch.setenv("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD", "1")
+    seen = []
+    with pytest.raises(LogprobGapError, match="step 2: the engine's logprobs differ from the trainer's"):
+        run_rl(RLOptions(**FEW), on_step=seen.append)
+    assert [r.step for r in seen] == [0, 1]
+
+
+def test_rl_command_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "rl.json", tmp_path / "rl.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moeshard", "rl", "--steps", "2", "--problems", "4", "--group", "2",
+         "--eval-every", "2", "--eval-problems", "8", "--layout", "1x1", "--moe-comm", "auto",
+         "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    keys = {"step", "reward_mean", "accuracy", "max_abs_dlogprob", "mean_abs_dlogprob", "rollout_tok_s", "update_s",
+            "rss_engine_awake_mb", "rss_engine_asleep_mb"}
+    assert keys <= set(rows[1])
+    assert rows[1]["accuracy"] is None and rows[2]["accuracy"] is not None
+    assert png.stat().st_size > 10_000
+    assert "held-out accuracy" in proc.stdout
