@@ -339,17 +339,17 @@ def rl_command(args) -> int:
             console.print(f"[bold red]stopped[/]: {exc}")
             return 1
     table = Table(title=title)
-    for column in ("step", "accuracy", "reward", "max |Δ logprob|", "rollout tok/s", "sleep s", "update s", "wake s",
-                   "engine MiB awake / asleep", "trainer MiB awake / asleep"):
+    # sleep + update + wake seconds; resident MiB awake → asleep
+    for column in ("step", "accuracy", "reward", "max |Δ lp|", "tok/s", "lifecycle s", "engine MiB", "trainer MiB"):
         table.add_column(column, justify="right")
     for r in records:
         if r.accuracy is None or r.step == 0:
             continue
         table.add_row(
             str(r.step), f"{r.accuracy:.3f}", f"{r.reward_mean:.3f}", f"{r.max_abs_dlogprob:.1e}", f"{r.rollout_tok_s:.0f}",
-            f"{r.sleep_s:.3f}", f"{r.update_s:.3f}", f"{r.wake_s:.3f}",
-            f"{r.rss_engine_awake_mb:.0f} / {r.rss_engine_asleep_mb:.0f}",
-            f"{r.rss_trainer_awake_mb:.0f} / {r.rss_trainer_asleep_mb:.0f}",
+            f"{r.sleep_s + r.update_s + r.wake_s:.3f}",
+            f"{r.rss_engine_awake_mb:.0f}→{r.rss_engine_asleep_mb:.0f}",
+            f"{r.rss_trainer_awake_mb:.0f}→{r.rss_trainer_asleep_mb:.0f}",
         )
     console.print(table)
     s = summary(records)
