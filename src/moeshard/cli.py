@@ -287,19 +287,23 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(run=serve, layouts_of=serve_layouts)
 
     rlp = commands.add_parser("rl", help="GRPO on the arithmetic task: engine and trainer colocated, logprobs checked")
+    from moeshard.demos.grpo import GRPOConfig
+    from moeshard.demos.rl import RLOptions
+
+    rl_defaults = RLOptions()  # one source of the defaults: the options the loop itself takes
     rlp.add_argument("--model", default=None, help="the starting policy's checkpoint (default: the bundled weak one)")
-    rlp.add_argument("--steps", type=int, default=None, help="GRPO steps (default: as many as --minutes allow)")
-    rlp.add_argument("--minutes", type=float, default=13.0, help="the loop's time budget")
-    rlp.add_argument("--problems", type=int, default=32, help="training problems a step")
-    rlp.add_argument("--group", type=int, default=8, help="completions sampled per problem (G)")
-    rlp.add_argument("--lr", type=float, default=1e-4)
-    rlp.add_argument("--eval-every", type=int, default=25, help="measure held-out accuracy every K steps")
-    rlp.add_argument("--eval-problems", type=int, default=500)
-    rlp.add_argument("--layout", default="1x2-ep", help="TPxDP[-ep][-sp]")
-    rlp.add_argument("--moe-comm", default="alltoall", choices=("auto", "allgather", "alltoall", "mc2", "fused_mc2"))
+    rlp.add_argument("--steps", type=int, default=rl_defaults.steps, help="GRPO steps (default: as many as --minutes allow)")
+    rlp.add_argument("--minutes", type=float, default=rl_defaults.minutes, help="the loop's time budget")
+    rlp.add_argument("--problems", type=int, default=rl_defaults.problems, help="training problems a step")
+    rlp.add_argument("--group", type=int, default=rl_defaults.group, help="completions sampled per problem (G)")
+    rlp.add_argument("--lr", type=float, default=GRPOConfig().lr)
+    rlp.add_argument("--eval-every", type=int, default=rl_defaults.eval_every, help="measure held-out accuracy every K steps")
+    rlp.add_argument("--eval-problems", type=int, default=rl_defaults.eval_problems)
+    rlp.add_argument("--layout", default=rl_defaults.layout.label(), help="TPxDP[-ep][-sp]")
+    rlp.add_argument("--moe-comm", default=rl_defaults.moe_comm, choices=("auto", "allgather", "alltoall", "mc2", "fused_mc2"))
     rlp.add_argument("--compile", action="store_true")
     rlp.add_argument("--compile-backend", default="inductor")
-    rlp.add_argument("--seed", type=int, default=0)
+    rlp.add_argument("--seed", type=int, default=rl_defaults.seed)
     rlp.add_argument(
         "--negative-control", action="store_true",
         help="leave the derived tensors as the poisoned wake made them: the run must stop at the first step after a wake",

@@ -44,7 +44,7 @@ class RLOptions:
     minutes: float = 13.0  # the loop's time budget (start-up and the last accuracy come on top)
     problems: int = 32  # P per step
     group: int = 8  # G completions per problem
-    eval_every: int = 10
+    eval_every: int = 25
     eval_problems: int = 500
     layout: Layout = Layout(1, 2, True)
     moe_comm: str = "alltoall"

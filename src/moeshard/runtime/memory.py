@@ -29,8 +29,8 @@ def release(tensors: list[torch.Tensor]) -> dict[int, Released]:
     """Drop the storage of each tensor; returns each one's shape and range, by id, for `recreate`."""
     released = {}
     for t in tensors:
-        low, high = (float(t.min()), float(t.max())) if t.numel() else (0.0, 0.0)
-        released[id(t)] = Released(t.shape, low, high)
+        low, high = torch.aminmax(t) if t.numel() else (torch.tensor(0), torch.tensor(0))  # one pass
+        released[id(t)] = Released(t.shape, float(low), float(high))
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return released
 
