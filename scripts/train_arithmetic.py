@@ -2,19 +2,26 @@
 addition and subtraction, with transformers on the CPU.
 
     .venv/bin/python scripts/train_arithmetic.py [--minutes 18] [--out src/moeshard/bundled/arithmetic_moe]
-    .venv/bin/python scripts/train_arithmetic.py --steps 6000 --stop-at-accuracy 0.4 --dtype float32 --out src/moeshard/bundled/arithmetic_moe_weak
+    .venv/bin/python scripts/train_arithmetic.py --steps 6000 --dtype float32 --uncarried 0.6 --out src/moeshard/bundled/arithmetic_moe_weak
 
 Loss is on the answer and <eos> only. Every few hundred steps the held-out accuracy (greedy, exact
 match, problems never trained on) is printed; the checkpoint is written with the tokenizer (bf16 by
 default). `--steps` trains a fixed number of steps instead of a time budget (the learning-rate
 schedule then follows the step count); `--stop-at-accuracy A` ends a run early, at the first check
-(every 25 steps) where held-out accuracy reaches A. `moeshard rl` starts from the second command's
-checkpoint: the recipe stopped mid-way, once the model begins to add (it stopped at step 3,500 of
-6,000, held-out accuracy 0.490, 30 min beside other work), kept in float32 so that the trainer's
-weights and the engine's are the same numbers. Where in a run that happens varies from run to run,
-which is why the stop is by accuracy, not by step. A shorter schedule (`--steps 1500`) decays the
-learning rate before the model learns to carry and stops near 10%: too weak for RL to lift (its
-greedy answers are wrong in the first digit, and at temperature 1 fewer than 1 in 10 samples is right).
+(every 25 steps) where held-out accuracy reaches A.
+
+`moeshard rl` starts from the second command's checkpoint (27 min on 2 cores): an imperfect
+teacher, a pupil who never carries or borrows (`Problem.uncarried_value`), writes 60% of the
+answers. The model learns both ways of answering — greedy, it answers every problem with a carry
+out of the units or tens column the pupil's way (held-out accuracy 0.290), while at temperature 1
+it writes the right answer about 2 times in 5 — so exact-match reward has something to find. It is
+kept in float32 so that the trainer's weights and the engine's are the same numbers.
+
+An undertrained start lifts far more slowly: `--steps 6000 --stop-at-accuracy 0.4 --dtype float32`
+(the correct teacher, stopped at step 3,500 at 0.490; its greedy errors are in the units digit,
+which for subtraction it has not learned at all) went to 0.658 in 13 min of `moeshard rl --model`, and
+supervised training from it (this script's loop continued at a constant lr of 1.1e-3, a throwaway
+run) reaches 0.75 only after 300 steps of 256 labelled examples.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moeshard.bundled.arithmetic import (
-    EOS, HELD_OUT, MODEL_DIR, PAD, VOCAB, held_out, make_tokenizer, random_problem, tokenizer_config,
+    EOS, HELD_OUT, MODEL_DIR, PAD, VOCAB, Problem, held_out, make_tokenizer, random_problem, tokenizer_config,
 )
 
 SEQ = 14  # longest "999+999=1998<eos>" is 13 tokens
@@ -62,14 +69,16 @@ def config() -> transformers.Qwen2MoeConfig:
     )
 
 
-def batch(rng: random.Random, size: int, excluded: set[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rng: random.Random, size: int, excluded: set[str], uncarried: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`uncarried`: the fraction of examples whose answer is a pupil's who never carries."""
     ids = torch.full((size, SEQ), ID[PAD])
     labels = torch.full((size, SEQ), -100)
     for row in range(size):
         problem = random_problem(rng)
         while problem.prompt in excluded:
             problem = random_problem(rng)
-        tokens = [ID[c] for c in problem.prompt + problem.answer] + [ID[EOS]]
+        answer = Problem.write(problem.uncarried_value) if rng.random() < uncarried else problem.answer
+        tokens = [ID[c] for c in problem.prompt + answer] + [ID[EOS]]
         ids[row, : len(tokens)] = torch.tensor(tokens)
         start = len(problem.prompt)  # transformers shifts labels by one itself
         labels[row, start : len(tokens)] = ids[row, start : len(tokens)]
@@ -103,6 +112,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=18.0)
     parser.add_argument("--steps", type=int, default=None, help="train this many steps (instead of --minutes)")
     parser.add_argument("--stop-at-accuracy", type=float, default=None, help="stop once held-out accuracy reaches this")
+    parser.add_argument(
+        "--uncarried", type=float, default=0.0, help="fraction of answers taught without carries (an imperfect teacher)"
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -133,7 +145,7 @@ def main() -> None:
             lr = args.lr * min(1.0, step / 200) * 0.5 * (1 + math.cos(math.pi * frac))
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            ids, labels = batch(rng, args.batch, excluded)
+            ids, labels = batch(rng, args.batch, excluded, args.uncarried)
             loss = model(input_ids=ids, labels=labels, output_router_logits=True).loss  # + load balancing
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -27,6 +27,16 @@ def test_held_out_problems_are_fixed_and_distinct():
     assert all(Problem.value_of(p.answer) == p.value for p in problems)
 
 
+@pytest.mark.parametrize(
+    "a, op, b, uncarried",
+    [(195, "+", 5, 190), (999, "+", 999, 1888), (123, "+", 456, 579), (404, "-", 6, 408), (6, "-", 404, -408),
+     (100, "-", 1, 109), (150, "-", 61, 199), (5, "-", 5, 0)],
+)
+def test_a_pupil_who_never_carries(a, op, b, uncarried):
+    """The training script's imperfect teacher (for the RL start) works each column on its own."""
+    assert Problem(a, op, b).uncarried_value == uncarried
+
+
 def test_accuracy_on_500_held_out_problems_one_rank():
     (row,) = run_eval([Layout()], [16], ["auto"], [None], n=500)
     assert row.accuracy >= 0.95, row

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from moeshard.demos.grpo import clipped_loss, group_advantages, logprob_gap
-from moeshard.demos.rl import LogprobGapError, RLOptions, run_rl
+from moeshard.bundled.arithmetic import VOCAB
+from moeshard.demos.grpo import GRPOConfig, Rollout, Trainer, clipped_loss, group_advantages, logprob_gap, sampled_logprobs
+from moeshard.demos.rl import WEAK_MODEL_DIR, LogprobGapError, RLOptions, run_rl
 
 FEW = dict(steps=3, problems=4, group=4, eval_every=2, eval_problems=16)
 
@@ -39,6 +40,23 @@ def test_logprob_gap_counts_nan_as_infinite():
     assert gap["max_abs_dlogprob"] == math.inf
     gap = logprob_gap(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]]), mask)
     assert gap["max_abs_dlogprob"] == pytest.approx(0.5) and gap["mean_abs_dlogprob"] == pytest.approx(0.25)
+
+
+def test_the_trainer_leaves_out_groups_that_teach_nothing():
+    trainer = Trainer(str(WEAK_MODEL_DIR), GRPOConfig(), seed=0)
+    texts = ["123+456=975<eos>", "123+456=875<eos>", "500-001=994<eos>", "500-001=994<eos>"]
+    tokens_NS = torch.tensor([[VOCAB.index(c) for c in t.replace("<eos>", "")] + [VOCAB.index("<eos>")] for t in texts])
+    completion_NS = torch.zeros_like(tokens_NS, dtype=torch.bool)
+    completion_NS[:, 8:] = True
+    with torch.no_grad():
+        engine_NS = sampled_logprobs(trainer.model, tokens_NS) * completion_NS
+    before = [p.clone() for p in trainer.model.parameters()]
+    report = trainer.step(Rollout(tokens_NS, completion_NS, engine_NS, torch.zeros(4)))
+    assert report["trained"] and report["taught"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    report = trainer.step(Rollout(tokens_NS, completion_NS, engine_NS, torch.tensor([1.0, -1.0, 0.0, 0.0])))
+    assert report["trained"] and report["taught"] == 2
+    assert not all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
 def test_a_few_steps_on_1x2_ep_alltoall_agree_with_the_trainer_and_repeat():

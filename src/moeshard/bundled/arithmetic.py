@@ -42,7 +42,23 @@ class Problem:
 
     @property
     def answer(self) -> str:
-        return ("-" if self.value < 0 else "") + str(abs(self.value))[::-1]
+        return self.write(self.value)
+
+    @property
+    def uncarried_value(self) -> int:
+        """The answer of a pupil who never carries or borrows: each digit on its own (the last column
+        in full), so 195+005 → 190 (not 200), 404-006 → 408 (not 398), 999+999 → 1888."""
+        big, small = max(self.a, self.b), min(self.a, self.b)
+        sign = 1 if self.op == "+" else -1
+        digits = [(big // 10**i % 10 + sign * (small // 10**i % 10)) % 10 for i in (0, 1)]
+        last = big // 100 + sign * (small // 100)
+        magnitude = digits[0] + 10 * digits[1] + 100 * last
+        return -magnitude if self.op == "-" and self.a < self.b else magnitude
+
+    @staticmethod
+    def write(value: int) -> str:
+        """The answer that stands for a value: -334 → "-433"."""
+        return ("-" if value < 0 else "") + str(abs(value))[::-1]
 
     @staticmethod
     def value_of(answer: str) -> int:

@@ -111,8 +111,11 @@ class Trainer:
         report["trained"] = report["max_abs_dlogprob"] <= self.config.tolerance
         if not report["trained"]:
             return report
-        losses, awake = [], 0.0
-        for rows in torch.arange(len(mask_NS)).chunk(self.config.minibatches):
+        losses, awake = [], memory.resident_mb()
+        # A group whose completions all scored the same has advantage 0 and no gradient: its rows
+        # are left out (as DAPO does), so they cost no compute and do not dilute the token average.
+        taught = rollout.advantages_N.nonzero().squeeze(1)
+        for rows in taught.chunk(self.config.minibatches) if len(taught) else ():
             logprobs_NS = sampled_logprobs(self.model, rollout.tokens_NS[rows])
             loss = clipped_loss(logprobs_NS, old_NS[rows], rollout.advantages_N[rows], mask_NS[rows], self.config.clip)
             self.updates += 1
@@ -127,7 +130,7 @@ class Trainer:
         # While the engine runs, the trainer keeps only the weights and the optimizer's moments.
         self.optimizer.zero_grad(set_to_none=True)
         memory.return_memory_to_os()
-        report.update(loss=sum(losses) / len(losses), rss_trainer_awake_mb=awake, rss_trainer_asleep_mb=memory.resident_mb())
+        report.update(loss=sum(losses) / max(1, len(losses)), taught=len(taught), rss_trainer_awake_mb=awake, rss_trainer_asleep_mb=memory.resident_mb())
         return report
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:

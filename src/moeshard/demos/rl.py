@@ -7,9 +7,13 @@ checks them against the engine's, and takes clipped policy-gradient steps; the e
 poisoned memory, takes the new weights over the pipe and samples again. Every K steps the engine
 measures greedy exact-match accuracy on held-out problems.
 
-The policy starts from `arithmetic_moe_weak/` (the training script stopped at held-out accuracy
-0.49, float32, so trainer and engine hold the same numbers). A gap between the engine's logprobs and the trainer's
-over the tolerance stops the run with an error naming it, before the trainer trains on it.
+The policy starts from `arithmetic_moe_weak/`: the bundled architecture trained by the training
+script on an imperfect teacher, one that forgets to carry in 3 answers of 5
+(`--uncarried 0.6`). Greedy, it answers every problem that needs a carry the teacher's way (held-out
+accuracy 0.29), yet it samples the right answer 2 times in 5: what RL with a verifier is for. It
+is float32, so trainer and engine hold the same numbers. A gap between the engine's logprobs and
+the trainer's over the tolerance stops the run with an error naming it, before the trainer trains
+on it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class LogprobGapError(RuntimeError):
 @dataclass(frozen=True)
 class RLOptions:
     steps: int | None = None  # None: as many as `minutes` allow
-    minutes: float = 13.0  # the loop's time budget (start-up and the last accuracy come on top)
+    minutes: float = 5.0  # the loop's time budget (start-up and the last accuracy come on top)
     problems: int = 32  # P per step
     group: int = 8  # G completions per problem
     eval_every: int = 25
@@ -281,8 +285,10 @@ def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> 
     top.set_ylim(0, 1)
     top.legend(loc="lower right")
     top.set_title(title)
-    bottom.semilogy([r.step for r in steps], [r.max_abs_dlogprob for r in steps], lw=0.8, label="max |Δ logprob|")
-    bottom.semilogy([r.step for r in steps], [r.mean_abs_dlogprob for r in steps], lw=0.8, label="mean |Δ logprob|")
+    bottom.plot([r.step for r in steps], [r.max_abs_dlogprob for r in steps], lw=0.8, label="max |Δ logprob|")
+    bottom.plot([r.step for r in steps], [r.mean_abs_dlogprob for r in steps], lw=0.8, label="mean |Δ logprob|")
+    bottom.set_yscale("symlog", linthresh=1e-9)  # log above 1e-9, and an exact 0 (most steps) still shows
+    bottom.set_ylim(0, 1e-3)
     bottom.axhline(tolerance, color="red", ls="--", lw=0.8, label=f"tolerance {tolerance:g}")
     bottom.set_ylabel("engine vs trainer, sampled tokens")
     bottom.set_xlabel("GRPO step")
