@@ -39,7 +39,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moeshard.bundled.arithmetic import (
-    EOS, HELD_OUT, MODEL_DIR, PAD, VOCAB, Problem, held_out, make_tokenizer, random_problem, tokenizer_config,
+    ANSWER_TOKENS, EOS, HELD_OUT, MODEL_DIR, PAD, VOCAB, Problem, exact_matches, held_out, make_tokenizer,
+    random_problem, tokenizer_config,
 )
 
 SEQ = 14  # longest "999+999=1998<eos>" is 13 tokens
@@ -89,7 +90,7 @@ def batch(rng: random.Random, size: int, excluded: set[str], uncarried: float = 
 def accuracy(model, problems) -> float:
     """Greedy, batched, exact match (a prompt's answer ends at <eos>)."""
     model.eval()
-    correct = 0
+    texts = []
     for start in range(0, len(problems), 250):
         chunk = problems[start : start + 250]
         prompts = [[ID[c] for c in p.prompt] for p in chunk]
@@ -98,13 +99,11 @@ def accuracy(model, problems) -> float:
         ids = torch.tensor([[ID[PAD]] * (width - len(t)) + t for t in prompts])
         mask = (ids != ID[PAD]).long()
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=ID[PAD], eos_token_id=ID[EOS]
+            ids, attention_mask=mask, max_new_tokens=ANSWER_TOKENS, do_sample=False, pad_token_id=ID[PAD], eos_token_id=ID[EOS]
         )
-        for p, row in zip(chunk, out[:, width:].tolist()):
-            text = "".join(VOCAB[i] for i in row).split(EOS)[0].replace(PAD, "")
-            correct += text == p.answer
+        texts += ["".join(VOCAB[i] for i in row).split(EOS)[0].replace(PAD, "") for row in out[:, width:].tolist()]
     model.train()
-    return correct / len(problems)
+    return exact_matches(texts, problems) / len(problems)
 
 
 def main() -> None:

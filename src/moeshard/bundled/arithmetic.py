@@ -21,6 +21,7 @@ from pathlib import Path
 PAD, EOS = "<pad>", "<eos>"
 VOCAB = [PAD, EOS, *"0123456789+-="]
 MAX_OPERAND = 999
+ANSWER_TOKENS = 6  # room for the longest answers ("8991", "-999") and <eos>
 HELD_OUT_SEED = 20261202
 HELD_OUT = 2000  # problems the training script never trains on
 MODEL_DIR = Path(__file__).parent / "arithmetic_moe"
@@ -69,6 +70,11 @@ class Problem:
 
 def random_problem(rng: random.Random) -> Problem:
     return Problem(rng.randint(0, MAX_OPERAND), rng.choice("+-"), rng.randint(0, MAX_OPERAND))
+
+
+def exact_matches(texts: list[str], problems: list[Problem]) -> int:
+    """How many of the texts are their problem's answer, exactly."""
+    return sum(text == p.answer for text, p in zip(texts, problems, strict=True))
 
 
 def held_out(n: int = 500) -> list[Problem]:

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from moeshard.bundled.arithmetic import HELD_OUT, Problem, held_out, random_problem
+from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, Problem, exact_matches, held_out, random_problem
 from moeshard.demos.grpo import GRPOConfig, Rollout, group_advantages, receive_weights, serve_trainer
 from moeshard.engine import LLM, SamplingParams
 from moeshard.parallel import Layout
+from moeshard.verify.eval import GREEDY
 
 WEAK_MODEL_DIR = Path(__file__).parents[1] / "bundled" / "arithmetic_moe_weak"
-ANSWER_TOKENS = 6  # "-1998" and <eos>
 
 
 class LogprobGapError(RuntimeError):
@@ -95,9 +95,8 @@ def training_problems(rng: random.Random, n: int, excluded: set[str]) -> list[Pr
 
 
 def accuracy(llm: LLM, problems: list[Problem]) -> float:
-    greedy = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS)
-    outputs = llm.generate([p.prompt for p in problems], greedy)
-    return sum(o.text == p.answer for o, p in zip(outputs, problems)) / len(problems)
+    outputs = llm.generate([p.prompt for p in problems], GREEDY)
+    return exact_matches([o.text for o in outputs], problems) / len(problems)
 
 
 def rollout_of(llm: LLM, outputs, rewards: list[float], group: int) -> Rollout:

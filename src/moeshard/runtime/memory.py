@@ -21,16 +21,17 @@ import torch
 @dataclass(frozen=True)
 class Released:
     shape: torch.Size
-    low: float  # the range of the values it held: what poison draws from
-    high: float
+    low: torch.Tensor  # the range of the values it held (0-dim, on its device): what poison draws from
+    high: torch.Tensor
 
 
 def release(tensors: list[torch.Tensor]) -> dict[int, Released]:
     """Drop the storage of each tensor; returns each one's shape and range, by id, for `recreate`."""
     released = {}
     for t in tensors:
-        low, high = torch.aminmax(t) if t.numel() else (torch.tensor(0), torch.tensor(0))  # one pass
-        released[id(t)] = Released(t.shape, float(low), float(high))
+        # One pass, and kept on the device: a sleep that no poisoned wake follows never waits for it.
+        low, high = torch.aminmax(t) if t.numel() else (torch.zeros(()), torch.zeros(()))
+        released[id(t)] = Released(t.shape, low, high)
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return released
 
@@ -40,7 +41,7 @@ def recreate(tensors: list[torch.Tensor], released: dict[int, Released], poison:
         was = released[id(t)]
         t.data = torch.empty(was.shape, dtype=t.dtype, device=t.device)
         if poison:
-            fill_plausible(t, was.low, was.high)
+            fill_plausible(t, float(was.low), float(was.high))
 
 
 def fill_plausible(t: torch.Tensor, low: float, high: float) -> None:

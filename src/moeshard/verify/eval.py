@@ -13,13 +13,13 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from moeshard.bundled.arithmetic import HELD_OUT, held_out
+from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, exact_matches, held_out
 from moeshard.engine import LLM, SamplingParams
 from moeshard.moe import CommMethod
 from moeshard.moe.context import check_method
 from moeshard.parallel import Layout
 
-GREEDY = SamplingParams(temperature=0, max_tokens=6)  # the longest answer, "1998" or "-999", then <eos>
+GREEDY = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS)
 
 
 @dataclass
@@ -70,9 +70,9 @@ def run_eval(
                     for concurrency in concurrencies:
                         texts = [o.text for o in llm.generate(prompts, GREEDY, max_concurrency=concurrency)]
                         reference = reference or texts
-                        correct = sum(text == p.answer for text, p in zip(texts, problems))
                         row = EvalRow(
-                            layout.label(), method, backend is not None, concurrency, n, correct / n,
+                            layout.label(), method, backend is not None, concurrency, n,
+                            exact_matches(texts, problems) / n,
                             texts == reference, digest(texts),
                         )
                         rows.append(row)
@@ -113,8 +113,8 @@ def run_eval_url(
                 slots = asyncio.Semaphore(concurrency)
                 texts = await asyncio.gather(*(complete(client, model, p.prompt, slots) for p in problems))
                 reference = reference or texts
-                correct = sum(text == p.answer for text, p in zip(texts, problems))
-                row = EvalRow(url, "served", False, concurrency, n, correct / n, texts == reference, digest(texts))
+                accuracy = exact_matches(texts, problems) / n
+                row = EvalRow(url, "served", False, concurrency, n, accuracy, texts == reference, digest(texts))
                 rows.append(row)
                 on_row(row)
         return rows
