@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from moeshard import LLM, SamplingParams
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
 
-PROMPTS = [p.prompt for p in held_out(48)]
+# 7 problems cut short (1–7 tokens) among 48 whole ones: steps pad their shorter sequences' keys.
+PROMPTS = [p.prompt[:k] for k, p in enumerate(held_out(55)[48:], start=1)] + [p.prompt for p in held_out(48)]
 GREEDY = SamplingParams(temperature=0)
 CYCLES = 5
 
@@ -51,7 +52,7 @@ def updates(tmp_path_factory):
 
 
 def texts(llm):
-    # 48 prompts, 16 in flight: new prefills join running decodes in the same steps.
+    # 55 prompts, 16 in flight: new prefills join running decodes in the same steps.
     return [o.text for o in llm.generate(PROMPTS, GREEDY, max_concurrency=16)]
 
 
@@ -157,3 +158,88 @@ def test_level_2_releases_the_weights_memory(tmp_path):
         llm.reload_weights()
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
         assert len(out.token_ids) == 4
+
+
+# Mixed lengths: token-id prompts of 1–300 tokens on a random model with a 512-token context, a token
+# budget that cuts prefills into chunks that run beside other requests' decodes, and too few KV
+# blocks, so requests are preempted and recomputed. Every step pads its shorter sequences' keys, and
+# the blocks come back in an order earlier requests left, so padded reads meet poisoned memory.
+MIXED_ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=6, num_kv_blocks=39, block_size=8)
+MIXED_LENGTHS = [1, 300, 7, 64, 2, 151, 33, 17, 250, 5, 90, 12]
+MIXED_GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+def mixed_ids(llm) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in MIXED_LENGTHS]
+    return [o.token_ids for o in llm.generate(prompts, MIXED_GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """Two random Qwen3-MoE checkpoints (the start, the update), each with a fresh one-rank engine's output."""
+    from moeshard.verify.tiny import make_tiny_checkpoint
+
+    root, out = tmp_path_factory.mktemp("long_context"), []
+    for seed in (0, 1):
+        directory = str(make_tiny_checkpoint("qwen3_moe", root / f"seed{seed}", seed=seed, max_position_embeddings=512))
+        with LLM(directory, **MIXED_ENGINE) as fresh:
+            out.append((directory, mixed_ids(fresh)))
+            assert fresh.stats().preemptions > 0
+    assert out[0][1] != out[1][1]
+    return out
+
+
+def mixed_cycles(llm, long_context) -> list[bool]:
+    """Poisoned sleep / wake / update / reload cycles; whether each run's outputs equal a fresh
+    engine's with the same weights. Ends on the start-up weights."""
+    (_, start_ids), (update, update_ids) = long_context
+    equal = [mixed_ids(llm) == start_ids]
+    llm.sleep(level=2)
+    llm.wake_up(["weights"], poison=True)
+    llm.update_weights_from_disk(update)
+    llm.wake_up(["kv_cache"], poison=True)
+    equal.append(mixed_ids(llm) == update_ids)
+    llm.sleep(level=1)
+    llm.wake_up(poison=True)
+    equal.append(mixed_ids(llm) == update_ids)
+    llm.sleep(level=2)
+    llm.wake_up(["weights"], poison=True)
+    llm.reload_weights()
+    llm.wake_up(["kv_cache"], poison=True)
+    equal.append(mixed_ids(llm) == start_ids)
+    return equal
+
+
+MIXED_CASES = [
+    ("1x1", "auto", False),
+    ("1x1", "auto", "aot_eager"),
+    *[("1x2-ep", method, False) for method in ("auto", "allgather", "alltoall", "mc2", "fused_mc2")],
+    *[("2x2-ep", method, "aot_eager") for method in ("auto", "allgather", "alltoall", "mc2", "fused_mc2")],
+]
+
+
+@pytest.mark.parametrize("layout, method, compile", MIXED_CASES)
+def test_mixed_lengths_through_poisoned_cycles_equal_a_fresh_engine(long_context, layout, method, compile):
+    tp, dp = (int(n) for n in layout.split("-")[0].split("x"))
+    directory = long_context[0][0]
+    with LLM(
+        directory, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel="ep" in layout,
+        moe_comm=method, compile=compile, **MIXED_ENGINE,
+    ) as llm:
+        start = llm.state_digest()
+        assert mixed_cycles(llm, long_context) == [True] * 4
+        # The poison (NaN, ±Inf, huge, in range; ids out of range) is gone from every weight and
+        # derived tensor, padding rows included: all of it was rewritten before anything read it.
+        assert llm.state_digest() == start
+        assert llm.stats().preemptions > 0
+
+
+@pytest.mark.parametrize("layout", ["1x1", "1x2-ep"])
+def test_negative_control_padded_keys_read_an_ordinary_slot(long_context, layout, monkeypatch):
+    """With the null block off, padded key positions read slot 0 of the pool, which a poisoned wake
+    filled with garbage: the shorter sequences of a step come back wrong."""
+    monkeypatch.setenv("MOESHARD_UNSAFE_NO_NULL_BLOCK", "1")
+    dp = int(layout.split("-")[0].split("x")[1])
+    with LLM(long_context[0][0], data_parallel_size=dp, enable_expert_parallel=dp > 1, **MIXED_ENGINE) as llm:
+        assert not all(mixed_cycles(llm, long_context)[1:])  # the runs after a poisoned wake

@@ -7,7 +7,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from moeshard.models.archs import parse_config, rope_config
 from moeshard.models.config import ModelConfigError
-from moeshard.models.kv_cache import AttentionMetadata, CacheSpec, allocate, attention_context, register
+from moeshard.models.kv_cache import AttentionMetadata, CacheSpec, allocate, attention_context, null_slot, register
 from moeshard.models.layers import rope_inv_freq
 
 YARN = [
@@ -86,7 +86,7 @@ def test_paged_attention_equals_dense_causal_attention(window):
     v = [torch.randn(7, G, e, generator=g), torch.randn(5, G, e, generator=g)]
     for step in range(2):
         spans = [(0 if step == 0 else lens[0], lens[step]) for lens in lengths]
-        meta = AttentionMetadata.build([b - a for a, b in spans], [b for _, b in spans], tables, bs)
+        meta = AttentionMetadata.build([b - a for a, b in spans], [b for _, b in spans], tables, bs, null_slot(12, bs))
         rows = lambda xs: torch.cat([x[a:b] for x, (a, b) in zip(xs, spans)])  # noqa: E731
         pad = 10 - sum(b - a for a, b in spans)
         args = [torch.cat([rows(x), torch.zeros(pad, *x[0].shape[1:])]) for x in (q, k, v)]

@@ -114,7 +114,7 @@ def poisoned_reload(directory: str, layout: Layout, source: str) -> bool:
     model = load_model(directory)
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
     for p in model.parameters():
-        memory.fill_garbage(p)
+        memory.fill_poison(p)
     if source == "checkpoint":
         load_weights(model, Checkpoint(directory))
     else:

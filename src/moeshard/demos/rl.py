@@ -224,14 +224,18 @@ def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, r
             f"{report['max_abs_dlogprob']:.3g} (tolerance {options.grpo.tolerance:g}, importance ratio off by "
             f"{report['max_ratio_deviation']:.3g}); the rollout was not trained on."
         )
+    # Under the negative control (derived tensors not rebuilt) only in-range poison: NaN or an id
+    # out of range would stop the engine loudly, and the point is that the logprob check alone
+    # catches the silent kind.
+    poison = True if llm.rebuild_derived else "in_range"
     t0 = time.perf_counter()
-    llm.wake_up(["weights"], poison=True)
+    llm.wake_up(["weights"], poison=poison)
     wake_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     llm.update_weights(receive_weights(trainer.conn))
     update_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    llm.wake_up(["kv_cache"], poison=True)
+    llm.wake_up(["kv_cache"], poison=poison)
     wake_s += time.perf_counter() - t0
     return StepRecord(
         step=step,

@@ -94,14 +94,18 @@ class EngineLifecycle:
         self.released, self.weights_lost = set(TAGS), level == 2
         return rss
 
-    def wake_up(self, tags: list[str] | None = None, poison: bool = False) -> list[float]:
+    def wake_up(self, tags: list[str] | None = None, poison: bool | str = False) -> list[float]:
         """Re-create the memory `tags` name ("weights", "kv_cache"; default both). What is not
-        restored holds undefined contents; `poison` makes it garbage, so a stale read cannot hide.
-        Derived tensors are recomputed after the weights come back. Returns each rank's resident MiB."""
+        restored holds undefined contents; `poison` makes it garbage, so a stale read cannot hide:
+        True, every kind (NaN, ±Inf, huge, in range; ids in and out of range); "in_range", only the
+        kind no NaN test or bounds check sees. Derived tensors are recomputed after the weights come
+        back. Returns each rank's resident MiB."""
         tags = list(TAGS) if tags is None else list(tags)
         unknown = set(tags) - set(TAGS)
         if unknown:
             raise ValueError(f"unknown wake_up tag(s) {sorted(unknown)}; known: weights, kv_cache.")
+        if poison not in (False, *memory.POISON_KINDS):
+            raise ValueError(f"poison must be False, True or 'in_range', got {poison!r}.")
         rss = self.ranks.call("wake", tags, poison, self.rebuild_derived)
         self.released -= set(tags)
         return rss
@@ -147,6 +151,12 @@ class EngineLifecycle:
         """Each rank's weights (with the derived tensors) and KV cache, in MiB: what a sleep releases."""
         return self.ranks.call("held_mb")
 
+    def state_digest(self) -> list[dict[str, str]]:
+        """Each rank's SHA-256 of its weights and of its derived tensors, every byte (the vocabulary's
+        padding rows too): after a poisoned wake and a reload they must equal the start-up ones,
+        which shows that everything poisoned was rewritten before it could be read."""
+        return self.ranks.call("digest")
+
     def check_weights_present(self) -> None:
         if "weights" in self.released:
             raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
@@ -186,6 +196,9 @@ class RankLifecycle:
         weights = sum(t.numel() * t.element_size() for t in tensors)
         return {"weights": weights / 2**20, "kv_cache": self.runner.kv_cache_bytes() / 2**20}
 
+    def digest(self) -> dict[str, str]:
+        return {"weights": memory.digest(self.weights()), "derived": memory.digest(self.derived_tensors())}
+
     def sleep(self, level: int) -> float:
         """Release the KV cache, the derived tensors and the weights (level 1: backed up to the
         host first). Returns this rank's resident memory afterwards, in MiB."""
@@ -197,7 +210,7 @@ class RankLifecycle:
         self.asleep = Asleep(level, released, backup, set(TAGS))
         return memory.resident_mb()
 
-    def wake(self, tags: list[str], poison: bool, rebuild_derived: bool = True) -> float:
+    def wake(self, tags: list[str], poison: bool | str, rebuild_derived: bool = True) -> float:
         """Re-create what `tags` name. Weights come back from the backup (level 1) or stay undefined
         until new ones arrive (level 2); derived tensors are recomputed; the KV cache is new."""
         asleep = self.asleep

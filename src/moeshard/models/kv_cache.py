@@ -1,10 +1,17 @@
 """The paged KV cache and the attention op that reads it.
 
-The cache of a layer is one pool of S = num_blocks × block_size slots. A sequence owns a list of
-blocks (its row of `block_tables`); token p of sequence i lives in slot
+The cache of a layer is one pool of S = (num_blocks + 1) × block_size slots. A sequence owns a list
+of blocks (its row of `block_tables`); token p of sequence i lives in slot
 `block_tables[i, p // block_size] * block_size + p % block_size`. Each step writes its new tokens'
 K/V at `slot_mapping` and attends over the sequence's slots, so a block manager (the engine) may
-place blocks anywhere.
+place blocks anywhere in 0 … num_blocks-1.
+
+Block `num_blocks` is the null block: zeroed at every allocation, never handed to a sequence, never
+written. Every padded key position (past a sequence's length, in a step whose longest context is
+longer) reads it. A masked key gets probability 0, but 0 × NaN is NaN: were the padding to read a
+slot of the pool, whatever that slot held (garbage in a new or re-woken cache, another request's
+non-finite values) would reach every shorter sequence's output. With the null block, no read ever
+touches memory that this life of the cache has not written, so a new cache need not be zero-filled.
 
 Attention is the custom op `moeshard::paged_attention`: the per-step metadata (how many sequences,
 their lengths) is read from the attention context at run time, never baked into a compiled graph.
@@ -21,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from moeshard.runtime.graph import serving_op
+from moeshard.runtime.memory import fill_poison
 
 
 @dataclass(frozen=True)
@@ -34,16 +42,31 @@ class CacheSpec:
 
 @dataclass
 class KVCache:
-    k_SGd: torch.Tensor  # S = num_blocks × block_size slots
+    k_SGd: torch.Tensor  # S = (num_blocks + 1) × block_size slots; the last block is the null block
     v_SGe: torch.Tensor
 
 
-def allocate(spec: CacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> KVCache:
-    slots = num_blocks * block_size
-    return KVCache(
-        torch.zeros(slots, spec.kv_heads, spec.k_dim, dtype=dtype, device=device),
-        torch.zeros(slots, spec.kv_heads, spec.v_dim, dtype=dtype, device=device),
+def null_slot(num_blocks: int, block_size: int) -> int:
+    """The first slot of the null block, which every padded key position reads."""
+    return num_blocks * block_size
+
+
+def allocate(
+    spec: CacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device, poison: bool | str = False
+) -> KVCache:
+    """A cache of `num_blocks` blocks plus the null block. The blocks' contents are undefined (with
+    `poison`: garbage, as reused memory may hold; see runtime.memory.recreate); only the null block
+    is zeroed."""
+    slots = (num_blocks + 1) * block_size
+    cache = KVCache(
+        torch.empty(slots, spec.kv_heads, spec.k_dim, dtype=dtype, device=device),
+        torch.empty(slots, spec.kv_heads, spec.v_dim, dtype=dtype, device=device),
     )
+    for t in (cache.k_SGd, cache.v_SGe):
+        if poison:
+            fill_poison(t, in_range_only=poison == "in_range")
+        t[null_slot(num_blocks, block_size) :].zero_()
+    return cache
 
 
 @dataclass(frozen=True)
@@ -61,7 +84,7 @@ class AttentionMetadata:
     query_starts: tuple[int, ...]  # len N + 1
     seq_lens: tuple[int, ...]  # context length after this step, new tokens included
     slot_mapping_W: torch.Tensor  # int64 slot of each of the step's W new tokens
-    context_slots_NX: torch.Tensor  # int64 [N, X], X = max seq_len; 0 past a sequence's length
+    context_slots_NX: torch.Tensor  # int64 [N, X], X = max seq_len; the null slot past a sequence's length
     context_valid_NX: torch.Tensor  # bool
     query_rows_NQ: torch.Tensor  # int64 [N, Q]: row of each query; 0 past a sequence's chunk
     query_pos_NQ: torch.Tensor  # int64 position of each query
@@ -74,8 +97,10 @@ class AttentionMetadata:
         seq_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         block_size: int,
+        padding_slot: int,
         device="cpu",
     ) -> "AttentionMetadata":
+        """`padding_slot`: what key positions past a sequence's length read (the cache's null slot)."""
         N = len(query_lens)
         starts = [0]
         for n in query_lens:
@@ -87,7 +112,7 @@ class AttentionMetadata:
         k_pos_X = torch.arange(max(seq_lens, default=0))
         valid_NX = k_pos_X < lens_N[:, None]
         slots_NX = tables_NB.gather(1, (k_pos_X // block_size).expand(N, -1).clamp(max=max(width - 1, 0)))
-        slots_NX = torch.where(valid_NX, slots_NX * block_size + k_pos_X % block_size, 0)
+        slots_NX = torch.where(valid_NX, slots_NX * block_size + k_pos_X % block_size, padding_slot)
         q_off_Q = torch.arange(max(query_lens, default=0))
         q_valid_NQ = q_off_Q < qlens_N[:, None]
         q_pos_NQ = (lens_N - qlens_N)[:, None] + q_off_Q

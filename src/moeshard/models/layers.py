@@ -149,7 +149,9 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids_T, self.weight_VD)
         local_T = ids_T - self.start
         mine_T = (local_T >= 0) & (local_T < self.rows)
-        x_TD = F.embedding(local_T.clamp(0, self.rows - 1), self.weight_VD) * mine_T.unsqueeze(-1)
+        # Rows of other ranks' ids are filled, not multiplied, with 0: the row read for them is
+        # never trusted to be finite.
+        x_TD = F.embedding(local_T.clamp(0, self.rows - 1), self.weight_VD).masked_fill(~mine_T.unsqueeze(-1), 0)
         return self.comm.reduce(x_TD)
 
     def logits(self, x_ND: torch.Tensor) -> torch.Tensor:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import bisect
 import collections
+import os
 from dataclasses import dataclass
 
 import torch
 
 from moeshard.runtime.graph import compile_for_serving
-from moeshard.runtime.memory import fill_garbage
-from moeshard.models.kv_cache import AttentionMetadata, allocate, attention_context
+from moeshard.models.kv_cache import AttentionMetadata, allocate, attention_context, null_slot
 from moeshard.models.model import CausalLM
 from moeshard.moe import CommMethod, SelectionPolicy
 from moeshard.moe.context import moe_forward_context
@@ -50,6 +50,9 @@ class ModelRunner:
     ):
         self.model, self.block_size, self.policy, self.force = model, block_size, policy, force
         self.num_blocks = num_blocks
+        # Negative control only: padded key positions read slot 0, an ordinary slot, not the null block.
+        unsafe = os.environ.get("MOESHARD_UNSAFE_NO_NULL_BLOCK") == "1"
+        self.padding_slot = 0 if unsafe else null_slot(num_blocks, block_size)
         self.allocate_kv_cache()
         self.compiled = compile_for_serving(model, compile_backend) if compile_backend else None
         self.buckets = buckets
@@ -80,6 +83,7 @@ class ModelRunner:
             [c.end for c in chunks],
             [c.blocks for c in chunks],
             self.block_size,
+            self.padding_slot,
             device,
         )
         ids_T = torch.tensor(ids + [0] * (rows - len(ids)), dtype=torch.int64, device=device)
@@ -103,17 +107,15 @@ class ModelRunner:
         logits = self.model.logits(hidden_TD[: len(ids)])
         return [logits[start:end] for start, end in zip(meta.query_starts, ends)]
 
-    def allocate_kv_cache(self, poison: bool = False) -> None:
+    def allocate_kv_cache(self, poison: bool | str = False) -> None:
+        """A new cache, its contents undefined (`poison`: garbage) except the null block's zeros."""
         device, dtype = self.model.parallel.device, self.model.dtype
-        caches = [allocate(spec, self.num_blocks, self.block_size, dtype, device) for spec in self.model.cache_specs()]
-        if poison:
-            for cache in caches:
-                fill_garbage(cache.k_SGd)
-                fill_garbage(cache.v_SGe)
-        self.model.set_kv_caches(caches)
+        self.model.set_kv_caches(
+            [allocate(spec, self.num_blocks, self.block_size, dtype, device, poison) for spec in self.model.cache_specs()]
+        )
 
     def kv_cache_bytes(self) -> int:
-        slots, itemsize = self.num_blocks * self.block_size, self.model.dtype.itemsize
+        slots, itemsize = (self.num_blocks + 1) * self.block_size, self.model.dtype.itemsize
         return sum(slots * spec.kv_heads * (spec.k_dim + spec.v_dim) * itemsize for spec in self.model.cache_specs())
 
     def release_kv_cache(self) -> None:

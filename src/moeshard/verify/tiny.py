@@ -119,15 +119,16 @@ def spread_init(model: torch.nn.Module, seed: int) -> None:
             draw(b, 0.05)
 
 
-def make_tiny_checkpoint(variant: str, directory: str | Path, seed: int = 0) -> Path:
-    """Write `variant`'s random checkpoint (config.json + model.safetensors) into `directory`."""
+def make_tiny_checkpoint(variant: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write `variant`'s random checkpoint (config.json + model.safetensors) into `directory`;
+    `overrides` replace config settings (`max_position_embeddings=512` for long prompts)."""
     import transformers
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny variant {variant!r}; choose one of {', '.join(VARIANTS)}.")
     transformers.utils.logging.disable_progress_bar()
     config_name, settings = VARIANTS[variant]
-    config = getattr(transformers, config_name)(**{**COMMON, **settings})
+    config = getattr(transformers, config_name)(**{**COMMON, **settings, **overrides})
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # a zero-sized shared expert (qwen2_moe_no_shared) warns on init
         warnings.simplefilter("ignore", UserWarning)
