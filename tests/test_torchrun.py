@@ -30,6 +30,20 @@ def launch(node_rank: int, port: int, args: list[str], cwd: Path) -> subprocess.
     return subprocess.Popen(command, cwd=cwd, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def launch_both(procs: list, port: int, args: list[str], cwd: Path, ready, what: str) -> None:
+    """Node 0 (it hosts the rendezvous), then node 1, into `procs` (the caller stops them), then
+    wait until `ready()` says the job runs."""
+    procs.append(launch(0, port, args, cwd))
+    deadline = time.monotonic() + 600
+    while not listening(port):
+        assert time.monotonic() < deadline and procs[0].poll() is None, "the rendezvous never started"
+        time.sleep(0.2)
+    procs.append(launch(1, port, args, cwd))
+    while not ready():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"{what} never started"
+        time.sleep(0.5)
+
+
 def stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         kill_tree(p)
@@ -65,16 +79,9 @@ def test_killing_one_launcher_stops_the_other(tmp_path, lost):
     port = free_port()
     long_eval = ["eval", "--layouts", "2x2-ep", "--concurrency", "16,1", "-n", "300"]
     logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
-    procs = [launch(0, port, long_eval, tmp_path)]
+    procs = []
     try:
-        deadline = time.monotonic() + 600
-        while not listening(port):
-            assert time.monotonic() < deadline and procs[0].poll() is None, "the rendezvous never started"
-            time.sleep(0.2)
-        procs.append(launch(1, port, long_eval, tmp_path))
-        while not any("accuracy" in log.read_text() for log in logs):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the eval never started"
-            time.sleep(0.5)
+        launch_both(procs, port, long_eval, tmp_path, lambda: any("accuracy" in log.read_text() for log in logs), "the eval")
         time.sleep(2)  # mid-run: concurrency 1 is decoding
         killed = 0 if lost == "rendezvous host" else 1
         kill_tree(procs[killed])  # the launcher and its ranks, as a lost machine
@@ -87,5 +94,27 @@ def test_killing_one_launcher_stops_the_other(tmp_path, lost):
     assert code != 0, survivor[-3000:]
     assert elapsed < TIMEOUT_S + 30, elapsed  # the collective timeout, plus torchrun's own teardown
     if lost == "other node":  # ranks 2, 3 are one node's: the driver names them, or they name the lost driver
-        named = "RankLost: stopped answering mid-step" if "accuracy" in survivor else "DriverLost"
+        # mid-step the step's failure or the heartbeat watch names them first: either says RankLost
+        named = "RankLost: " if "accuracy" in survivor else "DriverLost"
         assert f"moeshard: error: rank 2: {named}" in survivor, survivor[-3000:]
+
+
+def test_a_node_lost_while_the_server_is_idle_stops_the_other(tmp_path):
+    """`moeshard serve --tp 2 --dp 2 --ep` over two nodes, idle: node 1 killed, node 0's launcher
+    exits non-zero once rank 0 has seen the heartbeats stop, naming the rank and its node."""
+    port, serve_port = free_port(), free_port()
+    serve = ["serve", "--tp", "2", "--dp", "2", "--ep", "--port", str(serve_port)]
+    procs = []
+    try:
+        launch_both(procs, port, serve, tmp_path, lambda: listening(serve_port), "the server")
+        kill_tree(procs[1])  # node 1's launcher and ranks, as a lost machine, while nothing runs
+        t0 = time.monotonic()
+        code = procs[0].wait(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop(procs)
+    log = (tmp_path / "node0.log").read_text()
+    assert code != 0 and elapsed < 60, (code, elapsed, log[-3000:])
+    assert "ERROR moeshard: the engine lost a rank: rank 2: RankLost: its heartbeat stopped" in log, log[-3000:]
+    assert "(node 1, host" in log, log[-3000:]
+    print(f"node 0's launcher exited with code {code}, {elapsed:.1f} s after node 1 was killed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
 
@@ -189,6 +190,12 @@ def bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+def bench_soak(args: argparse.Namespace) -> int:
+    from moeshard.bench.soak import run_bench_soak
+
+    return run_bench_soak(args)
+
+
 def serve(args: argparse.Namespace) -> int:
     from moeshard.serve.server import serve_command
 
@@ -283,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per DP group and step")
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    srv.add_argument(
+        "--max-request-bytes", type=int, default=None,
+        help="bodies over this get 413 before parsing (default: 64 bytes per token of the context, at least 1 MiB)",
+    )
     srv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     srv.set_defaults(run=serve, layouts_of=serve_layouts)
 
@@ -364,6 +375,20 @@ def build_parser() -> argparse.ArgumentParser:
     bsrv.add_argument("--json", metavar="PATH")
     bsrv.add_argument("--plot", metavar="PNG")
     bsrv.set_defaults(run=bench_serve)
+    bsoak = bench_what.add_parser(
+        "soak", help="a long run of moeshard serve under disconnects and bad requests: no 5xx, no leak, idle after"
+    )
+    bsoak.add_argument("--minutes", type=float, default=3.0)
+    bsoak.add_argument("--concurrency", type=int, default=16, help="clients, each streaming one request at a time")
+    bsoak.add_argument("--disconnect", type=float, default=0.1, help="share of clients that leave after the first chunk")
+    bsoak.add_argument("--bad", type=float, default=0.1, help="share of bad requests (each must get its 4xx)")
+    bsoak.add_argument("--dp", type=int, default=2)
+    bsoak.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True)
+    bsoak.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    bsoak.add_argument("--max-growth", type=float, default=0.10, help="resident memory growth allowed after the first third")
+    bsoak.add_argument("--seed", type=int, default=0)
+    bsoak.add_argument("--json", metavar="PATH")
+    bsoak.set_defaults(run=bench_soak)
     return parser
 
 
@@ -392,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # Errors the engine logs (a lost rank) reach stderr at once, with their time.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     if under_torchrun() and hasattr(args, "layouts_of"):
         exit_without_finalizing(reporting_errors(run_on_torchrun, args))
     return reporting_errors(args.run, args)

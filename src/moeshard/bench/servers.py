@@ -79,10 +79,10 @@ def resident_mb(root: int, key: str = "Pss", source: str = "smaps_rollup") -> fl
     return total_kb / 1024
 
 
-def server_command(kind: str, model_dir: str, port: int, max_num_seqs: int) -> list[str]:
+def server_command(kind: str, model_dir: str, port: int, max_num_seqs: int, extra: tuple[str, ...] = ()) -> list[str]:
     if kind == "moeshard":
         return [sys.executable, "-m", "moeshard", "serve", "--model", model_dir, "--host", "127.0.0.1",
-                "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+                "--port", str(port), "--max-num-seqs", str(max_num_seqs), *extra]
     # Left alone, transformers serve sizes its cache from free memory (~13 GiB here, even for the bundled
     # model); it gets the cache moeshard reserves: `max_num_seqs` full contexts in 16-token blocks.
     context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
@@ -94,13 +94,16 @@ def server_command(kind: str, model_dir: str, port: int, max_num_seqs: int) -> l
 
 
 @contextmanager
-def started(kind: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: Path) -> Iterator[Target]:
-    """`kind` ("moeshard" or "transformers") serving `model_dir` until the block ends."""
+def started(
+    kind: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: Path, extra: tuple[str, ...] = ()
+) -> Iterator[Target]:
+    """`kind` ("moeshard" or "transformers") serving `model_dir` until the block ends (moeshard
+    with the `extra` arguments)."""
     port = free_port()
     log_path = log_dir / f"{kind}-serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(kind, model_dir, port, max_num_seqs), stdout=log,
+        proc = subprocess.Popen(server_command(kind, model_dir, port, max_num_seqs, extra), stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"

@@ -41,9 +41,18 @@ class AsyncLLM:
         self.calls: list[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = []
         self.streams: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self.error: BaseException | None = None
+        self.failed = threading.Event()  # set with `error`: the engine is lost for good
+        self.lost: BaseException | None = None  # a rank lost while the loop may be idle
         self.closing = False
         self.thread = threading.Thread(target=self.loop, name="moeshard-engine", daemon=True)
         self.thread.start()
+        llm.on_rank_lost(self.notice_loss)
+
+    def notice_loss(self, error: BaseException) -> None:
+        """A rank is gone (the ranks' watch says so): the loop ends every request now, not at its next step."""
+        with self.lock:
+            self.lost = error
+            self.lock.notify()
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | dict | None = None, request_id: int | None = None
@@ -100,13 +109,19 @@ class AsyncLLM:
     def loop(self) -> None:
         while True:
             with self.lock:
-                while not (self.adds or self.aborts or self.calls or self.streams or self.closing):
+                while not (self.adds or self.aborts or self.calls or self.streams or self.closing or self.lost):
                     self.lock.wait()
-                if self.closing and not self.streams and not self.adds:
+                lost = self.lost
+                if self.closing and not self.streams and not self.adds and lost is None:
                     return
                 adds, self.adds = self.adds, []
                 aborts, self.aborts = self.aborts, []
                 calls, self.calls = self.calls, []
+            if lost is not None:  # put back what was taken: fail() ends it all
+                with self.lock:
+                    self.adds, self.calls = adds + self.adds, calls + self.calls
+                self.fail(lost)
+                return
             try:
                 self.apply(adds, aborts, calls)
                 if self.core.has_unfinished:
@@ -145,6 +160,7 @@ class AsyncLLM:
     def fail(self, exc: BaseException) -> None:
         with self.lock:
             self.error = exc
+            self.failed.set()
             pending = list(self.streams.values()) + [(queue, loop) for _, _, _, queue, loop in self.adds]
             calls, self.calls = self.calls, []
             self.streams.clear()

@@ -113,6 +113,10 @@ class LLM(EngineLifecycle):
         self.num_blocks = num_kv_blocks or -(-max_num_seqs * self.max_model_len // block_size)
         self.eos = read_eos(self.directory)
         self.tokenizer = self.load_tokenizer()
+        # The longest token's text in bytes (a byte-level token's stand-in characters count as the
+        # longer of the two): an upper bound on the bytes one token covers.
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True) if self.tokenizer is not None else {}
+        self.max_token_bytes = max((len(token.encode()) for token in vocab), default=1)
         backend = "inductor" if compile is True else compile or None
         config = worker.WorkerConfig(
             str(self.directory), self.layout, dtype, self.num_blocks, block_size, moe_comm, backend
@@ -143,6 +147,11 @@ class LLM(EngineLifecycle):
         routed = [sum(counts) for counts in zip(*(per_rank for _, per_rank in answers))]
         return self.core.engine_stats(answers[0][0], routed)
 
+    def on_rank_lost(self, callback) -> None:
+        """Call `callback(error)`, from a watch thread, the moment a rank is lost, idle or stepping
+        (the engine's next call raises the same RankError). A one-rank engine has none to lose."""
+        self.ranks.on_lost = callback
+
     def close(self) -> None:
         self.ranks.close()
 
@@ -156,6 +165,14 @@ class LLM(EngineLifecycle):
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.directory} has no tokenizer.json; pass prompts as lists of token ids.")
+            # No token is longer than `max_token_bytes`, so a text this long cannot fit the context:
+            # refused in time linear in its size, before a tokenizer whose time grows faster sees it.
+            size = len(prompt.encode())
+            if size > self.max_token_bytes * self.max_model_len:
+                raise ValueError(
+                    f"the prompt has {size} bytes, so at least {size // self.max_token_bytes} tokens; "
+                    f"the context holds {self.max_model_len}."
+                )
             return self.tokenizer.encode(prompt).ids
         return list(prompt)
 

@@ -19,16 +19,25 @@ to the store and exits; the others see its connections close (or, if it hangs, t
 so a failed step ends every rank within COLLECTIVE_TIMEOUT, with one RankError naming the rank.
 A rank that vanishes without a word (killed, or its machine lost) is named from its exit code when
 spawned; under torchrun, from its heartbeat in the store, which stops with it.
+
+Rank 0 does not wait for a step to learn of a loss: a watch thread sees a spawned rank's process
+exit the moment it happens, and a torchrun rank's heartbeat stop within LOST_AFTER_S. The first
+loss, however it is found, is logged at error level once, handed to `on_lost` (the async front end
+ends its requests at once), and raised by the engine's next call. Spawned ranks end with their
+parent, even one killed outright; torchrun ranks see rank 0's connections close.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import multiprocessing.connection
 import os
-import tempfile
+import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,13 +45,18 @@ import torch.multiprocessing as mp
 
 from moeshard.engine.worker import Worker, WorkerConfig
 from moeshard.parallel import Layout, state
-from moeshard.parallel.launch import RankError
+from moeshard.parallel.launch import RankError, start_spawned_rank
 
 EXECUTE, CALL, EXIT = range(3)
 ERROR_KEY = "moeshard/rank-error"
 HEARTBEAT_KEY, STOPPED_KEY, HEARTBEAT_S = "moeshard/heartbeat/{}", "moeshard/stopped/{}", 0.5
+NODE_KEY = "moeshard/node/{}"  # where a torchrun rank runs: "node N, host H"
+LOST_AFTER_S = 3.0  # a heartbeat unchanged this long: the rank is gone
 REPORTED_KEY, REPORT_WAIT = "moeshard/reported", datetime.timedelta(seconds=10)
 IDLE_FOREVER = datetime.timedelta(days=365)
+LOSS_GRACE_S = 2.0  # after a loss, how long surviving spawned ranks get to exit before they are killed
+
+log = logging.getLogger("moeshard")
 
 
 class Host:
@@ -75,6 +89,7 @@ class RankZero:
     """The driver's own rank: its Worker is in this process."""
 
     host: Host
+    on_lost: Callable[[RankError], None] | None = None  # told, from a watch thread, when a rank is lost
 
     @property
     def forward_s(self) -> float:
@@ -140,9 +155,12 @@ class Channel:
         dist.gather_object(answer, answers, 0, group=self.step)
         return answers
 
-    def rank_error(self) -> str | None:
+    def rank_error(self) -> RankError | None:
         """The error a failed rank left in the store, if one did."""
-        return self.store.get(ERROR_KEY).decode() if self.store.check([ERROR_KEY]) else None
+        if not self.store.check([ERROR_KEY]):
+            return None
+        rank, kind, message = self.store.get(ERROR_KEY).decode().split(": ", 2)
+        return RankError(int(rank.split()[1]), kind, message)
 
 
 _channel: Channel | None = None  # under torchrun: made once, kept for every engine of the process
@@ -182,6 +200,19 @@ def stop_for_lost_peer(store, rank: int) -> None:
     raise SystemExit(1)
 
 
+def exit_reason(code: int) -> str:
+    return f"process killed by signal {-code}" if code < 0 else f"process exited with code {code}"
+
+
+def node_of(store, rank: int) -> str:
+    """" (node N, host H)" for a torchrun rank that said where it runs; "" otherwise."""
+    key = NODE_KEY.format(rank)
+    try:
+        return f" ({store.get(key).decode()})" if store.check([key]) else ""
+    except RuntimeError:  # the store's host is gone
+        return ""
+
+
 def beat(store, rank: int, done: threading.Event) -> None:
     """Under torchrun: say this rank is alive, until it is done (or the store's host is gone)."""
     count = 0
@@ -207,31 +238,83 @@ class Ranks(RankZero):
     def __init__(self, layout: Layout, channel: Channel, config: WorkerConfig, processes=(), restore=None):
         self.layout, self.channel, self.processes, self.restore = layout, channel, list(processes), restore
         self.world_size, self.dead = layout.world_size, False
+        self.lost: RankError | None = None  # the first loss, however it was found
+        self.loss_lock = threading.Lock()
+        self.watching = threading.Event()  # set: stop watching (closing, or already lost)
         self.host = Host()
         try:
             self.call("open", config)
         except BaseException:
             self.close()
             raise
+        watch = self.watch_processes if self.processes else self.watch_heartbeats
+        threading.Thread(target=watch, name="moeshard-rank-watch", daemon=True).start()
 
     @classmethod
     def spawn(cls, layout: Layout, config: WorkerConfig, threads_per_rank: int = 1) -> "Ranks":
         """Start ranks 1 … N-1 on this machine; this process joins as rank 0, with the same thread count."""
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already in use in this process; close the other multi-rank engine first.")
-        store_dir = tempfile.TemporaryDirectory(prefix="moeshard-")
-        init_method = "file://" + os.path.join(store_dir.name, "store")
+        store = state.local_store(layout.world_size)
         ctx = mp.get_context("spawn")
         processes = [
-            ctx.Process(target=_spawned_main, args=(r, layout.world_size, init_method, threads_per_rank), daemon=True)
+            ctx.Process(
+                target=_spawned_main, args=(r, layout.world_size, store.port, threads_per_rank, os.getpid()), daemon=True
+            )
             for r in range(1, layout.world_size)
         ]
         for p in processes:
             p.start()
         threads = torch.get_num_threads()
         torch.set_num_threads(threads_per_rank)
-        state.init_distributed(0, layout.world_size, init_method)
-        return cls(layout, Channel(), config, processes, (threads, store_dir))
+        state.init_distributed(0, layout.world_size, store=store)
+        return cls(layout, Channel(), config, processes, threads)
+
+    def lose(self, error: RankError) -> RankError:
+        """Record the engine's loss (the first one found wins); log it and tell `on_lost`, once."""
+        with self.loss_lock:
+            if self.lost is not None:
+                return self.lost
+            self.lost = error
+        log.error("moeshard: the engine lost a rank: %s", error)
+        if self.on_lost is not None:
+            self.on_lost(error)
+        return error
+
+    def watch_processes(self) -> None:
+        """Spawned ranks: a process sentinel fires the moment its rank exits, idle or stepping."""
+        rank_of = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        while not self.watching.is_set():
+            ready = multiprocessing.connection.wait(list(rank_of), timeout=0.5)
+            if ready and not self.watching.is_set():
+                rank = rank_of[ready[0]]
+                self.processes[rank - 1].join(timeout=1)
+                # A rank that raised said why before it exited; one that was killed did not.
+                died = RankError(rank, "RankDied", exit_reason(self.processes[rank - 1].exitcode))
+                self.lose(self.channel.rank_error() or died)
+                return
+
+    def watch_heartbeats(self) -> None:
+        """Torchrun ranks: a heartbeat that stops changing for LOST_AFTER_S, from a rank that did not
+        say it stopped for a lost peer, is a lost rank (its process or its machine)."""
+        store, changed = self.channel.store, {}
+        while not self.watching.wait(HEARTBEAT_S):
+            now, silent = time.monotonic(), []
+            try:
+                for rank in range(1, self.world_size):
+                    key = HEARTBEAT_KEY.format(rank)
+                    count = store.get(key) if store.check([key]) else None
+                    if changed.get(rank, (None,))[0] != count:
+                        changed[rank] = (count, now)
+                    elif now - changed[rank][1] > LOST_AFTER_S and not store.check([STOPPED_KEY.format(rank)]):
+                        silent.append(rank)
+            except RuntimeError:  # the store's host is gone: torchrun's own agents stop every rank
+                return
+            if silent and not self.watching.is_set():
+                also = f" (silent too: ranks {', '.join(map(str, silent[1:]))})" if len(silent) > 1 else ""
+                where = node_of(store, silent[0])
+                self.lose(RankError(silent[0], "RankLost", f"its heartbeat stopped: its process or machine is gone{where}{also}"))
+                return
 
     @classmethod
     def torchrun(cls, layout: Layout, config: WorkerConfig) -> "Ranks":
@@ -261,18 +344,30 @@ class Ranks(RankZero):
         return [own if rank == 0 else self.channel.receive_samples(rank) for rank in samplers]
 
     def guarded(self, fn, *args):
+        """Run a command on the ranks; after a loss (found now or by the watch), stop them all and
+        raise the loss: the same RankError for the call in progress and every later one."""
         if self.dead:
-            raise RuntimeError("the engine's ranks stopped after an earlier failure; start a new engine.")
+            raise RuntimeError(f"the engine's ranks stopped after an earlier failure ({self.lost}); start a new engine.")
+        cause = None
+        if self.lost is None:
+            try:
+                return fn(*args)
+            except Exception as exc:
+                self.lose(self.failure(exc))
+                cause = exc
+        self.stop_after_loss()
+        raise self.lost from cause
+
+    def stop_after_loss(self) -> None:
+        global _channel_failed
+        self.dead = True
+        self.watching.set()
+        _channel_failed = self.channel is _channel  # torchrun: this process exits; the others see it go
         try:
-            return fn(*args)
-        except Exception as exc:
-            global _channel_failed
-            self.dead = True
-            _channel_failed = self.channel is _channel  # torchrun: this process exits; the others see it go
-            error = self.failure(exc)
-            self.channel.store.set(REPORTED_KEY, str(error))
-            self.stop()
-            raise error from exc
+            self.channel.store.set(REPORTED_KEY, str(self.lost))  # headless ranks wait for it to exit quietly
+        except RuntimeError:  # the store's host is gone with the lost machine
+            pass
+        self.stop()
 
     def failure(self, exc: Exception) -> RankError:
         """Name the rank that failed: a spawned rank killed by a signal, else the error a rank left
@@ -282,17 +377,17 @@ class Ranks(RankZero):
         exits = [(rank, p.exitcode) for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
         for rank, code in exits:
             if code < 0:
-                return RankError(rank, "RankDied", f"process killed by signal {-code} mid-step")
+                return RankError(rank, "RankDied", f"{exit_reason(code)} mid-step")
         reported = self.channel.rank_error()
         if reported is not None:
-            rank, kind, message = reported.split(": ", 2)
-            return RankError(int(rank.split()[1]), kind, message)
+            return reported
         if lost_peer(exc) and exits:
-            return RankError(exits[0][0], "RankDied", f"process exited with code {exits[0][1]} mid-step")
+            return RankError(exits[0][0], "RankDied", f"{exit_reason(exits[0][1])} mid-step")
         lost = self.silent_ranks() if lost_peer(exc) and not self.processes else []
         if lost:
             also = f" (lost: ranks {', '.join(map(str, lost))})" if len(lost) > 1 else ""
-            return RankError(lost[0], "RankLost", f"stopped answering mid-step: its process or machine is gone{also}")
+            where = node_of(self.channel.store, lost[0])
+            return RankError(lost[0], "RankLost", f"stopped answering mid-step: its process or machine is gone{where}{also}")
         return RankError(0, type(exc).__name__, str(exc).splitlines()[0])
 
     def silent_ranks(self) -> list[int]:
@@ -313,6 +408,10 @@ class Ranks(RankZero):
     def close(self) -> None:
         if self.dead:
             return
+        self.watching.set()  # ranks exiting from here on are the close, not a loss
+        if self.lost is not None:  # lost while idle: nobody to say EXIT to
+            self.stop_after_loss()
+            return
         try:
             if self.processes:
                 self.channel.header(EXIT)
@@ -327,21 +426,20 @@ class Ranks(RankZero):
         self.host.close()
         if self.restore is None:
             return
+        # After a loss the survivors may wait on rank 0 for ever: a short grace, then they are killed.
+        deadline = time.monotonic() + (LOSS_GRACE_S if self.lost is not None else 10)
         for p in self.processes:
-            p.join(timeout=10)
+            p.join(timeout=max(deadline - time.monotonic(), 0))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
         state.leave_distributed()
-        threads, store_dir = self.restore
-        torch.set_num_threads(threads)
-        store_dir.cleanup()
+        torch.set_num_threads(self.restore)
         self.restore = None
 
 
-def _spawned_main(rank: int, world_size: int, init_method: str, threads: int) -> None:
-    torch.set_num_threads(threads)
-    state.init_distributed(rank, world_size, init_method)
+def _spawned_main(rank: int, world_size: int, store_port: int, threads: int, parent_pid: int) -> None:
+    start_spawned_rank(rank, world_size, store_port, threads, parent_pid)
     serve_forever(Channel())
     state.leave_distributed()
 
@@ -359,6 +457,8 @@ def torchrun_channel() -> Channel:
 def serve_torchrun() -> None:
     """A torchrun rank other than 0: serve the driver's engines until it exits."""
     channel, done = torchrun_channel(), threading.Event()
+    where = f"node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()}"
+    channel.store.set(NODE_KEY.format(dist.get_rank()), where)
     heart = threading.Thread(target=beat, args=(channel.store, dist.get_rank(), done), daemon=True)
     heart.start()
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
-import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -35,9 +35,27 @@ class RankError(RuntimeError):
         self.rank, self.kind, self.message, self.detail = rank, kind, message, detail
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, threads: int, tasks, results) -> None:
+def exit_with_parent(parent_pid: int) -> None:
+    """In a spawned rank: end this process once its parent is gone. A parent killed outright
+    (SIGKILL) cannot stop its children, and no rank may outlive the process that drives it."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="moeshard-parent-watch", daemon=True).start()
+
+
+def start_spawned_rank(rank: int, world_size: int, store_port: int, threads: int, parent_pid: int) -> None:
+    """What every spawned rank does first: follow its parent, set its threads, join the world."""
+    exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
-    state.init_distributed(rank, world_size, init_method)
+    state.init_distributed(rank, world_size, store=state.local_store(world_size, store_port))
+
+
+def _rank_main(rank: int, world_size: int, store_port: int, threads: int, parent_pid: int, tasks, results) -> None:
+    start_spawned_rank(rank, world_size, store_port, threads, parent_pid)
     while (task := tasks.get()) is not None:
         seq, fn, args = task
         try:
@@ -53,14 +71,13 @@ class RankPool:
     def __init__(self, world_size: int, threads_per_rank: int = 1):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        self._store_dir = tempfile.TemporaryDirectory(prefix="moeshard-")
-        init_method = "file://" + os.path.join(self._store_dir.name, "store")
+        self._store = state.local_store(world_size)  # every rank is a child: this process only serves the store
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, world_size, init_method, threads_per_rank, self._tasks[r], self._results),
+                args=(r, world_size, self._store.port, threads_per_rank, os.getpid(), self._tasks[r], self._results),
                 daemon=True,
             )
             for r in range(world_size)
@@ -121,7 +138,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-        self._store_dir.cleanup()
+        self._store = None
 
     def __enter__(self) -> "RankPool":
         return self

@@ -45,13 +45,28 @@ _current: ParallelState | None = None
 _group_cache: dict[Layout, ParallelState] = {}
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: str = "cpu") -> None:
-    """Join the default process group: gloo on CPU, NCCL on CUDA."""
+STORE_TIMEOUT = datetime.timedelta(seconds=300)  # ranks starting up: importing torch, loading a model
+
+
+def local_store(world_size: int, port: int | None = None) -> dist.TCPStore:
+    """The rendezvous store of ranks on this machine, on 127.0.0.1: served by this process on a free
+    port (`port` None), or joined at `port`. A TCP store leaves no file behind, however a process
+    ends (a file store in the temp folder outlives a SIGKILL)."""
+    serve = port is None
+    return dist.TCPStore(
+        "127.0.0.1", 0 if serve else port, world_size, is_master=serve, timeout=STORE_TIMEOUT, wait_for_workers=False
+    )
+
+
+def init_distributed(
+    rank: int, world_size: int, init_method: str | None = None, device: str = "cpu", store: dist.Store | None = None
+) -> None:
+    """Join the default process group (through `init_method` or `store`): gloo on CPU, NCCL on CUDA."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        backend, init_method=init_method, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
 
 

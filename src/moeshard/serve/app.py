@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from transformers.utils.chat_template_utils import render_jinja_template
 
 import moeshard
@@ -50,6 +51,31 @@ class ServeSettings:
     api_key: str | None = None
     enable_sleep_mode: bool = False
     sleep_wait_s: float = 300.0  # sleep(mode=wait): longest wait for in-flight requests
+    max_request_bytes: int = 1 << 20
+
+
+def default_max_request_bytes(max_model_len: int, max_num_seqs: int) -> int:
+    """64 bytes for every token of the context (a token-id list spends ≤ 8 on one, a text rarely
+    more than 16; the rest is room for the other fields and for messages), and never under 1 MiB."""
+    return max(1 << 20, 64 * max_model_len)
+
+
+def too_large(max_bytes: int) -> str:
+    return f"the request body is over {max_bytes} bytes (--max-request-bytes)."
+
+
+class LargeBodyRefusal:
+    """ASGI middleware: a Content-Length over the limit is answered 413, as an error object, before a
+    byte of the body is read (Starlette's RequestBodyLimitMiddleware, inside, counts a chunked body)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        length = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        if scope["type"] == "http" and int(length) > self.max_bytes:  # h11 refuses a length that is no number
+            return await error_response(413, too_large(self.max_bytes))(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class Refused(Exception):
@@ -163,7 +189,8 @@ class Server:
 
     async def completions(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
-        choices = self.choices(body.prompts(), body, body.max_tokens, body.logprobs)
+        # Tokenizing runs off the event loop: one long prompt must not hold up /health or other clients.
+        choices = await asyncio.to_thread(self.choices, body.prompts(), body, body.max_tokens, body.logprobs)
         self.check_admissible()
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                 "model": self.settings.model_name}
@@ -211,13 +238,7 @@ class Server:
         if self.chat_template is None:
             raise Refused(400, f"the model {self.settings.model_name!r} has no chat template (tokenizer_config.json "
                                "chat_template); use /v1/completions.", "messages")
-        messages = [m.model_dump() for m in body.messages]
-        try:
-            prompt = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
-                                           add_generation_prompt=True)[0][0]
-        except Exception as exc:  # the template itself refused these messages
-            raise Refused(400, f"the chat template could not render these messages: {exc}", "messages") from None
-        choices = self.choices([prompt], body, body.max_completion_tokens or body.max_tokens, body.logprob_count())
+        choices = await asyncio.to_thread(self.chat_choices, body)
         self.check_admissible()
         head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": self.settings.model_name}
         if body.stream:
@@ -242,6 +263,15 @@ class Server:
              "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None}
             for c in choices
         ], "usage": self.usage(choices)}
+
+    def chat_choices(self, body: ChatRequest) -> list[Choice]:
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            prompt = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                           add_generation_prompt=True)[0][0]
+        except Exception as exc:  # the template itself refused these messages
+            raise Refused(400, f"the chat template could not render these messages: {exc}", "messages") from None
+        return self.choices([prompt], body, body.max_completion_tokens or body.max_tokens, body.logprob_count())
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict:
         def entry(token: int, logprob: float) -> dict:
@@ -345,7 +375,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable) -> None:
     task.result()
 
 
-def add_error_handlers(app: FastAPI, key: str | None) -> None:
+def add_error_handlers(app: FastAPI, key: str | None, max_request_bytes: int) -> None:
     """Every failure answers an OpenAI error object; a set API key guards every route but /health."""
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused):
@@ -358,8 +388,12 @@ def add_error_handlers(app: FastAPI, key: str | None) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        message = f"no route {request.method} {request.url.path}." if exc.status_code in (404, 405) else str(exc.detail)
-        return error_response(exc.status_code, message)
+        messages = {
+            404: f"no route {request.method} {request.url.path}.",
+            405: f"no route {request.method} {request.url.path}.",
+            413: too_large(max_request_bytes),
+        }
+        return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(EngineAsleepError)
@@ -384,11 +418,15 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="moeshard", version=moeshard.__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
-    add_error_handlers(app, settings.api_key)
+    add_error_handlers(app, settings.api_key, settings.max_request_bytes)
+    # A body over the limit gets 413 before anything parses it: by its Content-Length before a byte
+    # is read; a chunked one as soon as its bytes pass the limit.
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=settings.max_request_bytes)
+    app.add_middleware(LargeBodyRefusal, max_bytes=settings.max_request_bytes)
 
     @app.get("/health")
     async def health():
-        if engine.error is not None:
+        if engine.error is not None:  # from the moment the engine knows, idle or busy
             return error_response(503, f"the engine stopped: {engine.error}")
         return Response(status_code=200)
 
@@ -407,7 +445,7 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         server.check_model(body.model)
         try:
-            ids = server.llm.encode(body.prompt)
+            ids = await asyncio.to_thread(server.llm.encode, body.prompt)
         except ValueError as exc:
             raise Refused(400, str(exc), "prompt") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": server.llm.max_model_len}
@@ -417,7 +455,7 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
         server.check_model(body.model)
         if any(not 0 <= t < server.llm.vocab_size for t in body.tokens):
             raise Refused(400, f"token ids must be in [0, {server.llm.vocab_size}).", "tokens")
-        return {"prompt": server.llm.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(server.llm.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

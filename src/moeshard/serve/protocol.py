@@ -124,7 +124,7 @@ class FieldError(ValueError):
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
-               503: "ServiceUnavailableError", 500: "InternalServerError"}
+               413: "RequestTooLargeError", 503: "ServiceUnavailableError", 500: "InternalServerError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

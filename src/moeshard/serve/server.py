@@ -3,20 +3,31 @@
 SIGTERM or SIGINT: uvicorn stops accepting, gives in-flight requests up to `--shutdown-timeout`
 seconds to finish, cancels the rest (their engine requests are aborted), then the engine and its
 ranks close and the process exits 0. Under torchrun only rank 0 gets here; it listens.
+
+A lost rank (docs/serving.md, "Faults"): from the moment the engine knows, `/health` answers 503,
+in-flight requests end with an error and new ones are refused; after LOSS_GRACE_S the server stops
+and the process exits ENGINE_LOST_EXIT, as it does on any later signal: a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
+import threading
+import time
 
 import uvicorn
 
 from moeshard.engine import LLM
 from moeshard.engine.async_llm import AsyncLLM
-from moeshard.serve.app import ServeSettings, build_app
+from moeshard.serve.app import ServeSettings, build_app, default_max_request_bytes
 
 BUNDLED_NAME = "moeshard-arithmetic"
+ENGINE_LOST_EXIT = 1
+LOSS_GRACE_S = 1.0  # after a loss: in-flight responses get their error before uvicorn stops
+
+log = logging.getLogger("moeshard")
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -29,17 +40,30 @@ def serve_command(args: argparse.Namespace) -> int:
     engine = AsyncLLM(llm)
     try:
         name = args.served_model_name or args.model or BUNDLED_NAME
-        settings = ServeSettings(name, args.api_key, args.enable_sleep_mode)
+        max_bytes = args.max_request_bytes or default_max_request_bytes(llm.max_model_len, llm.max_num_seqs)
+        settings = ServeSettings(name, args.api_key, args.enable_sleep_mode, max_request_bytes=max_bytes)
         config = uvicorn.Config(
             build_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
         )
+        server = uvicorn.Server(config)
+        threading.Thread(target=stop_when_lost, args=(engine, server), name="moeshard-loss-watch", daemon=True).start()
         print(f"moeshard serve: {name} on {llm.layout.label()} at http://{args.host}:{args.port}/v1", flush=True)
         # uvicorn handles SIGTERM/SIGINT itself, then raises the signal again to the handler it found:
-        # make that one a no-op, so the stop we asked for ends here, closing the engine, with exit 0.
+        # make that one a no-op, so the stop we asked for ends here, closing the engine.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         engine.close()
+    if engine.error is not None:
+        log.error("moeshard serve: exiting with code %d: the engine was lost (%s)", ENGINE_LOST_EXIT, engine.error)
+        return ENGINE_LOST_EXIT
     return 0
+
+
+def stop_when_lost(engine: AsyncLLM, server: uvicorn.Server) -> None:
+    """Stop the server once the engine is lost: a process that is dead inside must not look alive."""
+    engine.failed.wait()
+    time.sleep(LOSS_GRACE_S)
+    server.should_exit = True
