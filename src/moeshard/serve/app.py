@@ -54,7 +54,7 @@ class ServeSettings:
     max_request_bytes: int = 1 << 20
 
 
-def default_max_request_bytes(max_model_len: int, max_num_seqs: int) -> int:
+def default_max_request_bytes(max_model_len: int) -> int:
     """64 bytes for every token of the context (a token-id list spends ≤ 8 on one, a text rarely
     more than 16; the rest is room for the other fields and for messages), and never under 1 MiB."""
     return max(1 << 20, 64 * max_model_len)

@@ -40,7 +40,7 @@ def serve_command(args: argparse.Namespace) -> int:
     engine = AsyncLLM(llm)
     try:
         name = args.served_model_name or args.model or BUNDLED_NAME
-        max_bytes = args.max_request_bytes or default_max_request_bytes(llm.max_model_len, llm.max_num_seqs)
+        max_bytes = args.max_request_bytes or default_max_request_bytes(llm.max_model_len)
         settings = ServeSettings(name, args.api_key, args.enable_sleep_mode, max_request_bytes=max_bytes)
         config = uvicorn.Config(
             build_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
