@@ -26,6 +26,9 @@ pytestmark = pytest.mark.xdist_group("faults")
 PROBLEMS = held_out(8)
 HEALTH_BOUND_S, EXIT_BOUND_S = 10, 30  # the issue's bounds: /health turns, the process is gone
 FLOOD_S = float(os.environ.get("MOESHARD_TEST_FLOOD_S", "10"))  # 30 for the figure quoted in the docs
+# A blocked event loop answers nothing for minutes (a 30 MB prompt once did); a loaded 2-core CI
+# machine delays a probe by seconds. The docs' figure (every probe under 1 s) is measured alone.
+BLOCKED_S = 10
 
 
 class Server:
@@ -172,8 +175,9 @@ def test_offline_engine_names_a_rank_lost_between_calls():
 
 
 def test_huge_bodies_are_refused_at_once_while_others_are_served(tmp_path):
-    """30 MB → 413 within a second; then 4 clients send 1 MB and 30 MB bodies in a loop while /health
-    is probed and good requests run beside them."""
+    """30 MB → 413 at once; then 4 clients send 1 MB and 30 MB bodies in a loop while /health is
+    probed (every probe answered, none held up as a blocked event loop would) and good requests run
+    beside them, all correct, in less than twice the idle memory."""
     server = Server(tmp_path)
     huge = json.dumps({"prompt": "7" * 30_000_000}).encode()
     one_mb = json.dumps({"prompt": "7" * 1_000_000}).encode()
@@ -182,7 +186,8 @@ def test_huge_bodies_are_refused_at_once_while_others_are_served(tmp_path):
         idle_mb = resident_mb(server.proc.pid)
         t0 = time.monotonic()
         response = httpx.post(server.url + "/v1/completions", content=huge, headers=headers, timeout=10)
-        assert (response.status_code, time.monotonic() - t0 < 1) == (413, True)
+        refused_s = time.monotonic() - t0
+        assert (response.status_code, refused_s < BLOCKED_S) == (413, True), refused_s
         assert "--max-request-bytes" in response.json()["error"]["message"]
         stop, statuses, probes, answers, peak_mb = threading.Event(), [], [], [], [idle_mb]
 
@@ -215,11 +220,13 @@ def test_huge_bodies_are_refused_at_once_while_others_are_served(tmp_path):
         for t in threads:
             t.join(timeout=60)
         assert set(statuses) == {400, 413}, set(statuses)  # 1 MB: within the limit, over the context
-        assert probes and all(code == 200 and seconds < 1 for code, seconds in probes), max(s for _, s in probes)
+        assert probes and all(code == 200 for code, _ in probes), probes
+        slowest = max(seconds for _, seconds in probes)
+        assert slowest < BLOCKED_S, slowest
         assert answers and all(answers)
         assert max(peak_mb) < 2 * idle_mb, (idle_mb, max(peak_mb))
-        print(f"flood {FLOOD_S:g} s: {len(statuses)} huge bodies refused, {len(probes)} probes (slowest "
-              f"{max(s for _, s in probes) * 1000:.0f} ms), {len(answers)} good answers, PSS {idle_mb:.0f} → "
+        print(f"30 MB refused in {refused_s:.2f} s; flood {FLOOD_S:g} s: {len(statuses)} huge bodies refused, "
+              f"{len(probes)} probes (slowest {slowest * 1000:.0f} ms), {len(answers)} good answers, PSS {idle_mb:.0f} → "
               f"peak {max(peak_mb):.0f} MiB")
     finally:
         stop_tree(server.proc, timeout_s=30)
