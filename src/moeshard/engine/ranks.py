@@ -200,7 +200,9 @@ def stop_for_lost_peer(store, rank: int) -> None:
     raise SystemExit(1)
 
 
-def exit_reason(code: int) -> str:
+def exit_reason(code: int | None) -> str:
+    if code is None:
+        return "process exited"
     return f"process killed by signal {-code}" if code < 0 else f"process exited with code {code}"
 
 
@@ -240,6 +242,7 @@ class Ranks(RankZero):
         self.world_size, self.dead = layout.world_size, False
         self.lost: RankError | None = None  # the first loss, however it was found
         self.loss_lock = threading.Lock()
+        self.reap_lock = threading.Lock()  # joins of the spawned processes, one thread at a time
         self.watching = threading.Event()  # set: stop watching (closing, or already lost)
         self.host = Host()
         try:
@@ -288,11 +291,20 @@ class Ranks(RankZero):
             ready = multiprocessing.connection.wait(list(rank_of), timeout=0.5)
             if ready and not self.watching.is_set():
                 rank = rank_of[ready[0]]
-                self.processes[rank - 1].join(timeout=1)
+                code = self.exit_codes(wait_s=1.0, ranks=[rank]).get(rank)
                 # A rank that raised said why before it exited; one that was killed did not.
-                died = RankError(rank, "RankDied", exit_reason(self.processes[rank - 1].exitcode))
-                self.lose(self.channel.rank_error() or died)
+                self.lose(self.channel.rank_error() or RankError(rank, "RankDied", exit_reason(code)))
                 return
+
+    def exit_codes(self, wait_s: float, ranks: list[int] | None = None) -> dict[int, int]:
+        """Rank → exit code of the spawned ranks (of `ranks`, default all) that have exited, each
+        waited for up to `wait_s`. One thread at a time: two threads reaping one process at once can
+        lose its exit code (the second one's waitpid finds nothing)."""
+        with self.reap_lock:
+            chosen = {rank: self.processes[rank - 1] for rank in ranks or range(1, self.world_size)}
+            for p in chosen.values():
+                p.join(timeout=wait_s)
+            return {rank: p.exitcode for rank, p in chosen.items() if p.exitcode is not None}
 
     def watch_heartbeats(self) -> None:
         """Torchrun ranks: a heartbeat that stops changing for LOST_AFTER_S, from a rank that did not
@@ -372,9 +384,7 @@ class Ranks(RankZero):
     def failure(self, exc: Exception) -> RankError:
         """Name the rank that failed: a spawned rank killed by a signal, else the error a rank left
         in the store, else this rank's own (under torchrun: the lost connection, with its address)."""
-        for p in self.processes:
-            p.join(timeout=0.5)
-        exits = [(rank, p.exitcode) for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+        exits = list(self.exit_codes(wait_s=0.5).items())
         for rank, code in exits:
             if code < 0:
                 return RankError(rank, "RankDied", f"{exit_reason(code)} mid-step")
@@ -428,11 +438,12 @@ class Ranks(RankZero):
             return
         # After a loss the survivors may wait on rank 0 for ever: a short grace, then they are killed.
         deadline = time.monotonic() + (LOSS_GRACE_S if self.lost is not None else 10)
-        for p in self.processes:
-            p.join(timeout=max(deadline - time.monotonic(), 0))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        with self.reap_lock:
+            for p in self.processes:
+                p.join(timeout=max(deadline - time.monotonic(), 0))
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
         state.leave_distributed()
         torch.set_num_threads(self.restore)
         self.restore = None
