@@ -301,7 +301,7 @@ class Ranks(RankZero):
         waited for up to `wait_s`. One thread at a time: two threads reaping one process at once can
         lose its exit code (the second one's waitpid finds nothing)."""
         with self.reap_lock:
-            chosen = {rank: self.processes[rank - 1] for rank in ranks or range(1, self.world_size)}
+            chosen = {r: p for r, p in enumerate(self.processes, start=1) if ranks is None or r in ranks}
             for p in chosen.values():
                 p.join(timeout=wait_s)
             return {rank: p.exitcode for rank, p in chosen.items() if p.exitcode is not None}
