@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeshard import LLM, SamplingParams
+from moeshard import LLM, SamplingParams, kernels
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
 
 # 7 problems cut short (1–7 tokens) among 48 whole ones: steps pad their shorter sequences' keys.
@@ -18,7 +18,7 @@ CYCLES = 5
 
 
 def reference_texts():
-    with LLM() as llm:
+    with LLM(dtype="float32") as llm:
         return [o.text for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -44,7 +44,7 @@ def updates(tmp_path_factory):
             shutil.copy(MODEL_DIR / f, directory / f)
         weights = perturbed(k)
         save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        with LLM(str(directory)) as fresh:
+        with LLM(str(directory), dtype="float32") as fresh:
             out.append((weights, [o.text for o in fresh.generate(PROMPTS, GREEDY)]))
     # Each cycle's weights answer differently, so an update that is not applied cannot pass.
     assert all(texts_k != previous for (_, texts_k), previous in zip(out, [reference_texts()] + [t for _, t in out]))
@@ -81,7 +81,8 @@ def run_cycles(llm, reference, updates):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sleep_wake_update_reload_equal_a_fresh_engine(reference, updates, tp, method, compile):
     with LLM(
-        tensor_parallel_size=tp, data_parallel_size=2, enable_expert_parallel=True, moe_comm=method, compile=compile
+        tensor_parallel_size=tp, data_parallel_size=2, enable_expert_parallel=True, moe_comm=method, compile=compile,
+        dtype="float32",
     ) as llm:
         run_cycles(llm, reference, updates)
 
@@ -90,7 +91,7 @@ def test_negative_control_without_the_derived_rebuild(reference, updates, monkey
     """Poisoned expert maps and RoPE tables left as the wake made them: the same cycles must fail
     (loudly, on garbage indices, or with different answers)."""
     monkeypatch.setenv("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD", "1")
-    with LLM(data_parallel_size=2, enable_expert_parallel=True, moe_comm="alltoall") as llm:
+    with LLM(data_parallel_size=2, enable_expert_parallel=True, moe_comm="alltoall", dtype="float32") as llm:
         with pytest.raises((AssertionError, RuntimeError)):
             run_cycles(llm, reference, updates)
 
@@ -115,7 +116,7 @@ def test_bad_updates_are_refused_and_change_nothing(reference, updates):
         "stream cut short": (cut_short(list(weights.items()), 20), "stream failed after 20 tensors"),
         "stream ends early": (list(weights.items())[:-3], "the update ended without"),
     }
-    with LLM(data_parallel_size=2, enable_expert_parallel=True) as llm:
+    with LLM(data_parallel_size=2, enable_expert_parallel=True, dtype="float32") as llm:
         generation = llm.update_weights(perturbed(0).items())
         before = texts(llm)
         assert before == updates[0][1]
@@ -175,19 +176,29 @@ def mixed_ids(llm) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, MIXED_GREEDY)]
 
 
-@pytest.fixture(scope="module")
-def long_context(tmp_path_factory):
-    """Two random Qwen3-MoE checkpoints (the start, the update), each with a fresh one-rank engine's output."""
+def two_checkpoints(root, dtype: str):
+    """Two random Qwen3-MoE checkpoints (the start, the update), each with a fresh one-rank engine's
+    output in `dtype`."""
     from moeshard.verify.tiny import make_tiny_checkpoint
 
-    root, out = tmp_path_factory.mktemp("long_context"), []
+    out = []
     for seed in (0, 1):
         directory = str(make_tiny_checkpoint("qwen3_moe", root / f"seed{seed}", seed=seed, max_position_embeddings=512))
-        with LLM(directory, **MIXED_ENGINE) as fresh:
+        with LLM(directory, dtype=dtype, **MIXED_ENGINE) as fresh:
             out.append((directory, mixed_ids(fresh)))
             assert fresh.stats().preemptions > 0
     assert out[0][1] != out[1][1]
     return out
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    return two_checkpoints(tmp_path_factory.mktemp("long_context"), "float32")
+
+
+@pytest.fixture(scope="module")
+def long_context_bf16(tmp_path_factory):
+    return two_checkpoints(tmp_path_factory.mktemp("long_context_bf16"), "bfloat16")
 
 
 def mixed_cycles(llm, long_context) -> list[bool]:
@@ -221,11 +232,46 @@ MIXED_CASES = [
 
 @pytest.mark.parametrize("layout, method, compile", MIXED_CASES)
 def test_mixed_lengths_through_poisoned_cycles_equal_a_fresh_engine(long_context, layout, method, compile):
+    check_mixed_cycles(long_context, layout, method, compile, "float32")
+
+
+# bf16 on a CPU with AVX512-BF16 runs moeshard.kernels: prepacked weights (derived tensors) and the
+# attention that reads the paged cache in place. A layout's bf16 sums differ from one rank's, so
+# each layout is compared with a fresh engine of the same layout.
+@pytest.mark.parametrize(
+    "layout, method, compile",
+    [("1x1", "auto", False), ("1x1", "auto", "aot_eager"), ("1x2-ep", "fused_mc2", False), ("2x2-ep", "mc2", "aot_eager")],
+)
+def test_bf16_mixed_lengths_through_poisoned_cycles_equal_a_fresh_engine(long_context_bf16, layout, method, compile):
+    tp, dp = (int(n) for n in layout.split("-")[0].split("x"))
+    engine = dict(tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel="ep" in layout, moe_comm=method)
+    expected = []
+    for directory, _ in long_context_bf16:
+        with LLM(directory, dtype="bfloat16", **engine, **MIXED_ENGINE) as fresh:
+            expected.append((directory, mixed_ids(fresh)))
+    check_mixed_cycles(expected, layout, method, compile, "bfloat16")
+
+
+@pytest.mark.skipif(not kernels.serves(torch.empty(2, 2, dtype=torch.bfloat16)), reason="no bf16 CPU kernels here")
+@pytest.mark.parametrize("rebuild", [True, False])
+def test_bf16_an_update_while_awake_reaches_the_packed_weights(long_context_bf16, rebuild, monkeypatch):
+    """An update while awake leaves every other derived tensor valid; only the packed weights depend
+    on the weights. With the rebuild off (the negative control) they keep the old weights while the
+    norms, routers and embeddings take the new ones: wrong answers, without an error."""
+    (start, start_ids), (update, update_ids) = long_context_bf16
+    if not rebuild:
+        monkeypatch.setenv("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD", "1")
+    with LLM(start, dtype="bfloat16", **MIXED_ENGINE) as llm:
+        llm.update_weights_from_disk(update)
+        assert (mixed_ids(llm) == update_ids) == rebuild
+
+
+def check_mixed_cycles(long_context, layout, method, compile, dtype):
     tp, dp = (int(n) for n in layout.split("-")[0].split("x"))
     directory = long_context[0][0]
     with LLM(
         directory, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel="ep" in layout,
-        moe_comm=method, compile=compile, **MIXED_ENGINE,
+        moe_comm=method, compile=compile, dtype=dtype, **MIXED_ENGINE,
     ) as llm:
         start = llm.state_digest()
         assert mixed_cycles(llm, long_context) == [True] * 4
@@ -241,5 +287,6 @@ def test_negative_control_padded_keys_read_an_ordinary_slot(long_context, layout
     filled with garbage: the shorter sequences of a step come back wrong."""
     monkeypatch.setenv("MOESHARD_UNSAFE_NO_NULL_BLOCK", "1")
     dp = int(layout.split("-")[0].split("x")[1])
-    with LLM(long_context[0][0], data_parallel_size=dp, enable_expert_parallel=dp > 1, **MIXED_ENGINE) as llm:
+    with LLM(long_context[0][0], data_parallel_size=dp, enable_expert_parallel=dp > 1, dtype="float32",
+             **MIXED_ENGINE) as llm:
         assert not all(mixed_cycles(llm, long_context)[1:])  # the runs after a poisoned wake

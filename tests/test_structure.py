@@ -12,6 +12,7 @@ LEVELS = {
     "runtime": 0,  # custom ops and compile-once, derived-tensor registry, memory
     "bundled": 0,  # the bundled model and task: data
     "parallel": 1,
+    "kernels": 1,  # the bf16 CPU kernels and their packed weights (derived tensors)
     "moe": 2,
     "models": 3,
     "engine": 4,

@@ -56,9 +56,9 @@ def test_seeded_and_logprob_requests_equal_one_rank():
         else SamplingParams(temperature=0, max_tokens=8, logprobs=0)
         for i in range(len(PROMPTS))
     ]  # fmt: skip
-    with LLM() as llm:
+    with LLM(dtype="float32") as llm:
         alone = llm.generate(PROMPTS, params)
-    with LLM(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True) as llm:
+    with LLM(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, dtype="float32") as llm:
         spread = llm.generate(PROMPTS, params)
     for a, b in zip(alone, spread):
         assert a.token_ids == b.token_ids

@@ -81,6 +81,13 @@ def verify_hf(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def add_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+        help="auto: bf16 for a bf16 (or fp16) checkpoint, as the bundled model is; else fp32",
+    )
+
+
 def layout_list(text: str):
     from moeshard.parallel import Layout
 
@@ -117,7 +124,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.url:
             rows = run_eval_url(args.url, args.concurrency, args.n, args.api_key, on_row)
         else:
-            rows = evaluate(args.layouts, args.concurrency, args.moe_comm, backends, args.n, args.model, on_row)
+            rows = evaluate(args.layouts, args.concurrency, args.moe_comm, backends, args.n, args.model, on_row, args.dtype)
     table = Table(title=f"exact match on {args.n} held-out problems (greedy)")
     for column in ("layout", "method", "compiled", "concurrency", "accuracy", "identical to first run"):
         table.add_column(column, justify="right")
@@ -142,7 +149,7 @@ def generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     with LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, enable_expert_parallel=args.ep,
-             moe_comm=args.moe_comm, compile=args.compile_backend if args.compile else False) as llm:
+             moe_comm=args.moe_comm, compile=args.compile_backend if args.compile else False, dtype=args.dtype) as llm:
         for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
             if out.error is not None:
                 print(f"{prompt}  [error: {out.error}]")
@@ -170,6 +177,12 @@ def bench_layer(args: argparse.Namespace) -> int:
     from moeshard.bench.layer import run_bench_layer
 
     return run_bench_layer(args)
+
+
+def bench_kernels(args: argparse.Namespace) -> int:
+    from moeshard.bench.kernels import run_bench_kernels
+
+    return run_bench_kernels(args)
 
 
 def bench_lm_head(args: argparse.Namespace) -> int:
@@ -253,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", metavar="PATH")
     ev.add_argument("--url", metavar="URL", help="evaluate a running `moeshard serve` (openai client, streaming) instead")
     ev.add_argument("--api-key", default=None, help="with --url: the server's key")
+    add_dtype(ev)
     ev.set_defaults(run=run_eval, layouts_of=lambda a: [] if a.url else a.layouts)
 
     gen = commands.add_parser("generate", help="generate text for prompts")
@@ -270,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
+    add_dtype(gen)
     gen.set_defaults(run=generate, layouts_of=generate_layouts)
 
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (streaming, metrics, RL routes)")
@@ -295,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bodies over this get 413 before parsing (default: 64 bytes per token of the context, at least 1 MiB)",
     )
     srv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    add_dtype(srv)
     srv.set_defaults(run=serve, layouts_of=serve_layouts)
 
     rlp = commands.add_parser("rl", help="GRPO on the arithmetic task: engine and trainer colocated, logprobs checked")
@@ -346,8 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     blm.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     blm.add_argument("--repeats", type=int, default=5)
     blm.set_defaults(run=bench_lm_head)
+    bkern = bench_what.add_parser("kernels", help="moeshard.kernels (bf16 CPU) vs torch's bf16 ops, decode and prefill shapes")
+    bkern.add_argument("--threads", type=int, default=1)
+    bkern.add_argument("--repeats", type=int, default=5, help="alternations per case; medians and spread reported")
+    bkern.add_argument("--json", metavar="PATH")
+    bkern.set_defaults(run=bench_kernels)
+
     be2e = bench_what.add_parser(
-        "e2e", help="engine useful output tokens/s vs. transformers static and continuous batching"
+        "e2e", help="engine useful output tokens/s vs. transformers (static, continuous batching) and vLLM's CPU engine"
     )
     be2e.add_argument("--concurrency", type=int_list, default=[1, 16, 64])
     be2e.add_argument("--threads", type=int_list, default=[1, 2], help="torch threads, one setting after another")
@@ -356,12 +378,22 @@ def build_parser() -> argparse.ArgumentParser:
     be2e.add_argument("--output-lens", type=int, nargs=2, default=[8, 128], metavar=("MIN", "MAX"))
     be2e.add_argument("--repeats", type=int, default=3, help="repetitions per point; medians and spread reported")
     be2e.add_argument("--seed", type=int, default=0)
+    be2e.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                      help="the random weights are written, and every contender serves them, in this dtype")
+    be2e.add_argument("--model-shapes", type=lambda t: t.split(","), default=["small"],
+                      help="comma-separated: small, qwen3-30b-a3b (2 layers of Qwen3-30B-A3B, ~3.7 GB in bf16)")
+    be2e.add_argument("--against", default="transformers",
+                      help="comma-separated peers: transformers (static and continuous batching), vllm (scripts/peers.sh)")
+    be2e.add_argument("--plot", metavar="PNG", help="tokens/s against concurrency, one panel per model, dtype, threads")
     be2e.add_argument("--json", metavar="PATH")
     be2e.set_defaults(run=bench_e2e)
     bsrv = bench_what.add_parser("serve", help="a serving benchmark client (vllm bench serve's shape), optionally against transformers serve")
     bsrv.add_argument("--base-url", default=None, help="benchmark a running server instead of starting moeshard serve")
     bsrv.add_argument("--model", default=None, metavar="DIR", help="weights and tokenizer (default: bench e2e's random Qwen3-MoE, made for the run)")
-    bsrv.add_argument("--against", choices=("transformers",), default=None, help="also start transformers serve --continuous-batching")
+    bsrv.add_argument("--against", choices=("transformers", "vllm"), default=None,
+                      help="also start transformers serve --continuous-batching, or vLLM's OpenAI server (scripts/peers.sh)")
+    bsrv.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                      help="the random model is written, and every server started here serves it, in this dtype")
     bsrv.add_argument("--num-prompts", type=int, default=64)
     bsrv.add_argument("--random-input-len", type=int, default=72)
     bsrv.add_argument("--random-output-len", type=int, default=68)

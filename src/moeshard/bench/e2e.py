@@ -1,14 +1,18 @@
 """`moeshard bench e2e`: useful output tokens/s of the engine against transformers' static batching
-(`generate` in batches of c) and its continuous batching, on one realistic workload, same weights,
-same process.
+(`generate` in batches of c), its continuous batching and vLLM's CPU engine (`--against vllm`, in
+its own venv and process), on one realistic workload, same weights, same dtype.
 
 The workload: `--num-requests` prompts of random token ids, prompt and output lengths uniform over
-their ranges, EOS ignored, greedy. The model: a random Qwen3-MoE (hidden 512, 32 experts top-4,
-4 layers, vocab 4096) written for the run. At each thread count and concurrency c the contenders run
-one after the other, in an order that rotates every repetition, so a noisy machine slows each of
-them alike; a ratio is taken within one repetition, and the table shows medians and the spread
-(lowest–highest). Every contender must produce moeshard's greedy tokens, request for request: a
-difference is reported and the run fails.
+their ranges, EOS ignored, greedy. The models (`--model-shapes`), written random for the run in the
+benchmark's dtype: `small`, a Qwen3-MoE with hidden 512, 32 experts top-4, 4 layers, vocab 4096;
+`qwen3-30b-a3b`, Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query / 4 KV heads of 128, 128
+experts top-8, expert intermediate 768, vocab 151,936) with 2 layers. At each thread count and
+concurrency c the contenders run one after the other, in an order that rotates every repetition, so
+a noisy machine slows each of them alike; a ratio is taken within one repetition, and the table
+shows medians and the spread (lowest–highest). Greedy agreement: in fp32 every contender must
+produce moeshard's tokens, request for request (a difference fails the run); in bf16 the kernels
+round differently and greedy paths drift apart, so the share of tokens equal to moeshard's, position
+by position, is reported.
 
 Static batching generates each batch to its longest output (the tail tokens are wasted work, as in
 a real static server); only the tokens each request asked for count as useful.
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import transformers
@@ -34,27 +39,30 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from moeshard.engine import LLM, SamplingParams
 from moeshard.bench.floor import DecodeFloor, decode_floor
+from moeshard.bench.peers import VllmOffline, vllm_python
 from moeshard.engine.core import StepStats
 from moeshard.verify.tiny import spread_init
 
-LARGER_QWEN3_MOE = dict(
-    vocab_size=4096,
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    num_experts=32,
-    num_experts_per_tok=4,
-    moe_intermediate_size=256,
-    max_position_embeddings=512,
-)
+MODEL_SHAPES = {
+    "small": dict(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+        max_position_embeddings=512,
+    ),
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        max_position_embeddings=4096,
+    ),
+}
+LARGER_QWEN3_MOE = MODEL_SHAPES["small"]
 PAD = 0
 
 
-def larger_model(directory: str) -> str:
-    config = transformers.Qwen3MoeConfig(**LARGER_QWEN3_MOE)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+def larger_model(directory: str, shape: str = "small", dtype: torch.dtype = torch.float32) -> str:
+    """A random Qwen3-MoE of `shape` (MODEL_SHAPES), stored in `dtype`."""
+    config = transformers.Qwen3MoeConfig(**MODEL_SHAPES[shape])
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     spread_init(model, seed=0)
     model.save_pretrained(directory)
     return directory
@@ -144,6 +152,8 @@ class TransformersContinuous:
 
 @dataclass
 class Row:
+    model: str
+    dtype: str
     threads: int
     concurrency: int
     contender: str
@@ -154,18 +164,23 @@ class Row:
     ratio_low: float
     ratio_high: float
     identical: bool  # every request's tokens equal moeshard's
+    same_tokens: float  # share of output positions whose token equals moeshard's (last repetition)
     overhead_share: float | None = None  # moeshard: of its step time outside the model forward
     plan_bytes: float | None = None  # moeshard: per decode step, driver → ranks
     sample_bytes: float | None = None  # moeshard: per decode step, ranks → driver
 
 
-def differing(reference: list[list[int]], tokens: list[list[int]]) -> list[int]:
-    return [i for i, (a, b) in enumerate(zip(reference, tokens, strict=True)) if a != b]
+def same_token_share(reference: list[list[int]], tokens: list[list[int]]) -> float:
+    pairs = [(a, b) for ref, got in zip(reference, tokens, strict=True) for a, b in zip(ref, got)]
+    total = sum(map(len, reference))
+    return sum(a == b for a, b in pairs) / total if total else 1.0
 
 
-def bench_point(contenders, prompts, outputs, threads, concurrency, repeats, progress, task) -> list[Row]:
+def bench_point(contenders, prompts, outputs, label, concurrency, repeats, progress, task) -> list[Row]:
+    """`label`: (model shape, dtype, threads)."""
     tok_s = {c.name: [] for c in contenders}
     same = {c.name: True for c in contenders}
+    share = {}
     for rep in range(repeats):
         order = contenders[rep % len(contenders):] + contenders[: rep % len(contenders)]
         tokens = {}
@@ -174,13 +189,15 @@ def bench_point(contenders, prompts, outputs, threads, concurrency, repeats, pro
             tok_s[contender.name].append(sum(outputs) / seconds)
             progress.advance(task)
         for name, got in tokens.items():
-            same[name] &= not differing(tokens["moeshard"], got)
+            same[name] &= got == tokens["moeshard"]
+            share[name] = same_token_share(tokens["moeshard"], got)
     ours = tok_s["moeshard"]
     rows = []
     for c in contenders:
         ratios = [a / b for a, b in zip(ours, tok_s[c.name])]
-        rows.append(Row(threads, concurrency, c.name, statistics.median(tok_s[c.name]), min(tok_s[c.name]),
-                        max(tok_s[c.name]), statistics.median(ratios), min(ratios), max(ratios), same[c.name]))
+        rows.append(Row(*label, concurrency, c.name, statistics.median(tok_s[c.name]), min(tok_s[c.name]),
+                        max(tok_s[c.name]), statistics.median(ratios), min(ratios), max(ratios), same[c.name],
+                        share[c.name]))
     stats = contenders[0].stats  # the last repetition's
     decode = max(stats.decode_steps, 1)
     rows[0].overhead_share = stats.overhead_share
@@ -189,67 +206,129 @@ def bench_point(contenders, prompts, outputs, threads, concurrency, repeats, pro
 
 
 def print_table(console, rows: list[Row], workload: Workload) -> None:
-    table = Table(title=f"useful output tokens/s, random Qwen3-MoE, 1 rank, fp32, {workload.num_requests} requests, "
+    table = Table(title=f"useful output tokens/s, random Qwen3-MoE, 1 rank, {workload.num_requests} requests, "
                         f"prompts {workload.prompt_lens[0]}–{workload.prompt_lens[1]}, outputs "
                         f"{workload.output_lens[0]}–{workload.output_lens[1]}, greedy (ratio: moeshard / contender)")
-    for column in ("threads", "concurrency", "contender", "tok/s median", "tok/s spread", "ratio median",
-                   "ratio spread", "same tokens", "outside forward", "plan B/step", "samples B/step"):
+    for column in ("model", "dtype", "threads", "concurrency", "contender", "tok/s median", "tok/s spread",
+                   "ratio median", "ratio spread", "same tokens", "outside forward", "plan B/step"):
         table.add_column(column, justify="right")
     for r in rows:
         ours = r.contender == "moeshard"
+        agreement = "" if ours else ("all" if r.identical else f"{r.same_tokens:.0%}")
         table.add_row(
-            str(r.threads), str(r.concurrency), r.contender, f"{r.tok_s:,.0f}", f"{r.tok_s_low:,.0f}–{r.tok_s_high:,.0f}",
-            "" if ours else f"{r.ratio:.2f}", "" if ours else f"{r.ratio_low:.2f}–{r.ratio_high:.2f}",
-            "" if ours else ("yes" if r.identical else "NO"),
+            r.model, r.dtype, str(r.threads), str(r.concurrency), r.contender, f"{r.tok_s:,.0f}",
+            f"{r.tok_s_low:,.0f}–{r.tok_s_high:,.0f}", "" if ours else f"{r.ratio:.2f}",
+            "" if ours else f"{r.ratio_low:.2f}–{r.ratio_high:.2f}", agreement,
             f"{r.overhead_share:.1%}" if ours else "", f"{r.plan_bytes:,.0f}" if ours else "",
-            f"{r.sample_bytes:,.0f}" if ours else "",
         )
     console.print(table)
 
 
-def print_floors(console, floors: list[DecodeFloor]) -> None:
-    table = Table(title="a decode step against its own GEMMs alone (the step's matmuls replayed; medians)")
-    for column in ("threads", "sequences", "context", "step ms", "GEMMs ms", "step / GEMMs", "GEMM calls"):
+def print_floors(console, floors: list[tuple[str, str, DecodeFloor]]) -> None:
+    table = Table(title="a moeshard decode step against its floor: the bytes it must read (weights, touched experts, "
+                        "K/V) at the read bandwidth measured in this run")
+    for column in ("model", "dtype", "threads", "sequences", "context", "step ms", "weights MB", "K/V MB",
+                   "GB/s", "floor ms", "step / floor"):
         table.add_column(column, justify="right")
-    for f in floors:
-        table.add_row(str(f.threads), str(f.sequences), str(f.context), f"{f.step_ms:.1f}", f"{f.gemms_ms:.1f}",
-                      f"{f.ratio:.2f}", str(f.gemm_calls))
+    for model, dtype, f in floors:
+        table.add_row(model, dtype, str(f.threads), str(f.sequences), str(f.context), f"{f.step_ms:.1f}",
+                      f"{f.weight_mb:.0f}", f"{f.kv_mb:.1f}", f"{f.bandwidth_gbs:.1f}", f"{f.floor_ms:.1f}",
+                      f"{f.ratio:.2f}")
     console.print(table)
 
 
+def plot(path: str, rows: list[Row]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.model, r.dtype, r.threads) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (model, dtype, threads) in zip(axes[0], panels):
+        mine = [r for r in rows if (r.model, r.dtype, r.threads) == (model, dtype, threads)]
+        for name in dict.fromkeys(r.contender for r in mine):
+            points = sorted((r.concurrency, r.tok_s, r.tok_s_low, r.tok_s_high) for r in mine if r.contender == name)
+            c, y, low, high = zip(*points)
+            ax.errorbar(c, y, yerr=[[a - b for a, b in zip(y, low)], [b - a for a, b in zip(y, high)]], marker="o",
+                        capsize=3, label=name)
+        ax.set(xscale="log", xlabel="concurrency", ylabel="useful output tokens/s",
+               title=f"{model}, {dtype}, {threads} thread(s)")
+        ax.set_xticks(sorted({r.concurrency for r in mine}), [str(c) for c in sorted({r.concurrency for r in mine})])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def contenders_for(against: list[str], llm, hf, directory, dtype, threads, args, context, log_dir) -> list:
+    contenders = [Moeshard(llm)]
+    if "transformers" in against:
+        contenders += [TransformersStatic(hf), TransformersContinuous(hf)]
+    if "vllm" in against:
+        contenders.append(VllmOffline(directory, dtype, threads, max(args.concurrency), context,
+                                      Path(log_dir) / f"vllm-{threads}.log"))
+    return contenders
+
+
 def run_bench_e2e(args) -> int:
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     workload = Workload(args.num_requests, tuple(args.prompt_lens), tuple(args.output_lens), args.seed)
+    against = [a for a in args.against.split(",") if a]
+    unknown = set(against) - {"transformers", "vllm"}
+    if unknown:
+        console.print(f"moeshard: error: --against takes transformers and vllm, got {', '.join(sorted(unknown))}.")
+        return 2
+    if "vllm" in against:
+        vllm_python()  # fails now, with its one sentence, rather than after the first model
     rows, floors = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = larger_model(tmp)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        prompts, outputs = workload.make(hf.config.vocab_size)
-        context = workload.prompt_lens[1] + workload.output_lens[1]
-        with LLM(directory, max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
-                 max_model_len=context) as llm, Progress(console=console, transient=True) as progress:
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
-            contenders = [Moeshard(llm), TransformersStatic(hf), TransformersContinuous(hf)]
-            task = progress.add_task("bench e2e", total=len(args.threads) * len(args.concurrency) * args.repeats
-                                     * len(contenders))
-            for threads in args.threads:
-                torch.set_num_threads(threads)
-                for c in args.concurrency:
-                    progress.update(task, description=f"{threads} thread(s), concurrency {c}")
-                    rows += bench_point(contenders, prompts, outputs, threads, c, args.repeats, progress, task)
-                # Decoding starts from the mean prompt; halfway through the mean output is the typical step.
-                typical = sum(workload.prompt_lens) // 2 + sum(workload.output_lens) // 4
-                for c in args.concurrency:
-                    floors.append(decode_floor(llm, c, min(typical, context - args.repeats - 3),
-                                               hf.config.vocab_size, args.repeats))
+    dtype = getattr(torch, args.dtype)
+    context = workload.prompt_lens[1] + workload.output_lens[1]
+    points = len(args.threads) * len(args.concurrency) * args.repeats * (1 + 2 * ("transformers" in against)
+                                                                         + ("vllm" in against))
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("bench e2e", total=len(args.model_shapes) * points)
+        for shape in args.model_shapes:
+            with tempfile.TemporaryDirectory() as tmp:
+                progress.update(task, description=f"{shape}: writing random weights")
+                directory = larger_model(tmp + "/model", shape, dtype)
+                hf = (transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+                      if "transformers" in against else None)
+                prompts, outputs = workload.make(MODEL_SHAPES[shape]["vocab_size"])
+                with LLM(directory, dtype=args.dtype, max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
+                         max_model_len=context) as llm:
+                    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+                    for threads in args.threads:
+                        torch.set_num_threads(threads)
+                        progress.update(task, description=f"{shape}: starting the contenders")
+                        contenders = contenders_for(against, llm, hf, directory, args.dtype, threads, args, context, tmp)
+                        try:
+                            for c in args.concurrency:
+                                progress.update(task, description=f"{shape}, {threads} thread(s), concurrency {c}")
+                                rows += bench_point(contenders, prompts, outputs, (shape, args.dtype, threads), c,
+                                                    args.repeats, progress, task)
+                        finally:
+                            for contender in contenders:
+                                getattr(contender, "close", lambda: None)()
+                        # Decoding starts from the mean prompt; halfway through the mean output is the typical step.
+                        typical = sum(workload.prompt_lens) // 2 + sum(workload.output_lens) // 4
+                        for c in args.concurrency:
+                            floors.append((shape, args.dtype, decode_floor(
+                                llm, c, min(typical, context - args.repeats - 3), MODEL_SHAPES[shape]["vocab_size"],
+                                args.repeats)))
+                del hf
     print_table(console, rows, workload)
     print_floors(console, floors)
+    if args.plot:
+        plot(args.plot, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": asdict(workload), "rows": [asdict(r) for r in rows],
-                       "decode_floors": [{**asdict(f), "ratio": f.ratio} for f in floors]}, f, indent=1)
-    bad = [f"{r.contender} at {r.threads} thread(s), concurrency {r.concurrency}" for r in rows if not r.identical]
+                       "decode_floors": [{"model": m, "dtype": d, **asdict(f), "floor_ms": f.floor_ms, "ratio": f.ratio}
+                                         for m, d, f in floors]}, f, indent=1)
+    bad = [f"{r.contender} on {r.model} at {r.threads} thread(s), concurrency {r.concurrency}"
+           for r in rows if not r.identical and r.dtype == "float32"]
     if bad:
-        console.print(f"moeshard: error: greedy tokens differ from moeshard's: {'; '.join(bad)}.")
+        console.print(f"moeshard: error: fp32 greedy tokens differ from moeshard's: {'; '.join(bad)}.")
         return 1
     return 0

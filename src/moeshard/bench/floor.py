@@ -1,8 +1,11 @@
-"""A decode step against its own GEMMs alone: the floor a step cannot go below without faster GEMMs.
+"""A decode step against its physical floor: the bytes the step must read, divided by the machine's
+read bandwidth measured in the same run.
 
-The engine runs `sequences` requests until every one is decoding, times whole engine steps (schedule,
-forward, sampling, bookkeeping), records the matmul-family calls of one more step with their real
-operands, and replays only those calls, timed in the same run. The requests are aborted afterwards.
+The bytes: every weight outside the routed experts (attention, norms, shared experts, the LM head;
+the embedding only where the LM head is the embedding), the routed experts the step actually
+touched (read off the routers' choices in that step), and each sequence's K/V context. A step can
+go below this floor only by reading fewer bytes. The engine runs `sequences` requests until all are
+decoding, times whole engine steps (schedule, forward, sampling, bookkeeping), then aborts them.
 """
 
 from __future__ import annotations
@@ -12,31 +15,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeshard.engine import SamplingParams
-
-aten = torch.ops.aten
-MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm}
-
-
-class RecordMatmuls(TorchDispatchMode):
-    """Runs every op as usual and keeps each matmul call (op and operands) for replay."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.overloadpacket in MATMULS:
-            self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
-
-    def replay(self) -> None:
-        """The recorded matmuls alone, on the same operands."""
-        for func, args, kwargs in self.calls:
-            func(*args, **kwargs)
+from moeshard.moe.experts import GroupedExperts
+from moeshard.moe.router import Router
 
 
 @dataclass(frozen=True)
@@ -45,12 +27,17 @@ class DecodeFloor:
     sequences: int
     context: int  # prompt tokens per sequence when decoding starts
     step_ms: float  # median engine step
-    gemms_ms: float  # median replay of that step's matmuls alone
-    gemm_calls: int
+    weight_mb: float  # weights the step read: dense + touched experts
+    kv_mb: float
+    bandwidth_gbs: float  # read bandwidth measured in this run, at this thread count
+
+    @property
+    def floor_ms(self) -> float:
+        return (self.weight_mb + self.kv_mb) * 1e6 / (self.bandwidth_gbs * 1e9) * 1e3
 
     @property
     def ratio(self) -> float:
-        return self.step_ms / self.gemms_ms
+        return self.step_ms / self.floor_ms
 
 
 def median_ms(fn, repeats: int, warmup: int = 0) -> float:
@@ -64,10 +51,35 @@ def median_ms(fn, repeats: int, warmup: int = 0) -> float:
     return statistics.median(times) * 1e3
 
 
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """The best of `repeats` sums over a buffer far larger than the caches, at the current torch
+    thread count: what one step's worth of weight streaming can get."""
+    buffer = torch.ones(mib * 2**20 // 4)
+    seconds = min(median_ms(buffer.sum, 1) for _ in range(repeats)) / 1e3
+    return buffer.numel() * 4 / seconds / 1e9
+
+
+def bytes_of(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def step_bytes(model, touched_experts: list[int], sequences: int, context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) a decode step of `sequences` at `context` must read."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    expert_ids = {id(p) for m in experts for p in m.parameters()}
+    skip = expert_ids | ({id(p) for p in model.embed.parameters()} if model.lm_head is not model.embed else set())
+    dense = bytes_of(p for p in model.parameters() if id(p) not in skip)
+    per_expert = [bytes_of(m.parameters()) // m.w13_LFD.shape[0] for m in experts]
+    routed = sum(n * size for n, size in zip(touched_experts, per_expert, strict=True))
+    kv = sum(bytes_of([layer.attn.cache.k_SGd[:1], layer.attn.cache.v_SGe[:1]]) for layer in model.layers)
+    return dense + routed, kv * sequences * context
+
+
 def decode_floor(llm, sequences: int, context: int, vocab: int, repeats: int = 5, seed: int = 0) -> DecodeFloor:
-    """Needs a one-rank engine (its forward runs in this process, where the recorder sees it) with
-    room for `context + repeats + 3` tokens per sequence."""
+    """Needs a one-rank engine (its model runs in this process) with room for `context + repeats + 3`
+    tokens per sequence."""
     core, g = llm.core, torch.Generator().manual_seed(seed)
+    model = llm.ranks.host.worker.model
     params = SamplingParams(temperature=0, max_tokens=repeats + 3, ignore_eos=True)
     ids = [core.add_request(torch.randint(3, vocab, (context,), generator=g).tolist(), params)
            for _ in range(sequences)]
@@ -76,11 +88,19 @@ def decode_floor(llm, sequences: int, context: int, vocab: int, repeats: int = 5
         while len(decoding) < sequences:  # prefill, chunked by the token budget
             decoding |= {d.request_id for d in core.step()}
         step_ms = median_ms(core.step, repeats)
-        with RecordMatmuls() as recorder:
+        chosen: list[torch.Tensor] = []
+        hooks = [m.register_forward_hook(lambda mod, args, out: chosen.append(out[0]))
+                 for m in model.modules() if isinstance(m, Router)]
+        try:
             core.step()
-        gemms_ms = median_ms(recorder.replay, repeats)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        touched = [int(ids_TK[:sequences].unique().numel()) for ids_TK in chosen]
     finally:
         for request_id in ids:
             core.abort(request_id)
         core.step()  # reports the aborts; frees nothing more
-    return DecodeFloor(torch.get_num_threads(), sequences, context, step_ms, gemms_ms, len(recorder.calls))
+    weights, kv = step_bytes(model, touched, sequences, context + repeats + 1)
+    return DecodeFloor(torch.get_num_threads(), sequences, context, step_ms, weights / 1e6, kv / 1e6,
+                       read_bandwidth_gbs())

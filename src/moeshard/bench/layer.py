@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -24,7 +25,7 @@ from transformers import Qwen3MoeConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from moeshard.bench.floor import RecordMatmuls, median_ms
+from moeshard.bench.floor import median_ms
 from moeshard.moe import MoEConfig, MoELayer, MoEWeights, RouterConfig, moe_forward_context
 
 CFG = MoEConfig(hidden=1024, num_experts=64, intermediate=256, router=RouterConfig(top_k=8, scoring="softmax", renormalize=True))
@@ -37,6 +38,29 @@ CUDA_ONLY = {
     "deepgemm": "CUDA-only (SM90+ hub kernel)",
     "sonicmoe": "CUDA-only (SM90+ CuteDSL kernels)",
 }
+
+
+aten = torch.ops.aten
+MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm}
+
+
+class RecordMatmuls(TorchDispatchMode):
+    """Runs every op as usual and keeps each matmul call (op and operands) for replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in MATMULS:
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+    def replay(self) -> None:
+        """The recorded matmuls alone, on the same operands."""
+        for func, args, kwargs in self.calls:
+            func(*args, **kwargs)
 
 
 MOESHARD, FLOOR, DENSE = "moeshard", "moeshard GEMMs alone", "dense GEMM"

@@ -7,7 +7,8 @@ Per request: TTFT (first text), ITL (between text chunks), TPOT ((E2EL − TTFT)
 and E2EL; output tokens are the server's own count (`usage`, asked for with `include_usage`).
 
 Without `--base-url` it starts `moeshard serve` itself; `--against transformers` also starts
-`transformers serve --continuous-batching` on the same weights, runs the same workload on both in an
+`transformers serve --continuous-batching`, `--against vllm` vLLM's OpenAI server (its CPU build,
+scripts/peers.sh), on the same weights in the same dtype, runs the same workload on both in an
 order that rotates every repetition, checks the greedy completions agree, and reports ratios
 (median and spread over repetitions) and each server's resident memory.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -279,7 +281,7 @@ def run_bench_serve(args) -> int:
     dataset = RandomDataset(args.num_prompts, args.random_input_len, args.random_output_len,
                             args.random_range_ratio, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or random_model(Path(tmp) / "model")
+        model_dir = args.model or random_model(Path(tmp) / "model", getattr(torch, args.dtype))
         requests = dataset.make(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))
         if args.base_url:
             targets, memory = [url_target(args.base_url)], {}
@@ -306,7 +308,8 @@ def run_bench_serve(args) -> int:
 def bench_started(model_dir: str, requests, args, console, log_dir: Path) -> tuple[list[Run], dict]:
     kinds = ["moeshard"] + ([args.against] if args.against else [])
     with ExitStack() as servers:
-        targets = [servers.enter_context(started(kind, model_dir, args.threads, max(args.max_concurrency), log_dir))
+        targets = [servers.enter_context(started(kind, model_dir, args.threads, max(args.max_concurrency), log_dir,
+                                                 dtype=args.dtype))
                    for kind in kinds]
         runs = bench_targets(targets, requests, args, console)
         return runs, {t.name: measure_memory(t) for t in targets}
@@ -322,7 +325,7 @@ def url_target(base_url: str) -> Target:
     return Target("server", base_url, model, {"ignore_eos": True})
 
 
-def random_model(directory: Path) -> str:
+def random_model(directory: Path, dtype: torch.dtype = torch.float32) -> str:
     """The issue's random Qwen3-MoE (see `bench e2e`) with a tokenizer whose every id is one word
     "t<id>", so that random ids survive the trip through text exactly."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -330,7 +333,7 @@ def random_model(directory: Path) -> str:
 
     from moeshard.bench.e2e import LARGER_QWEN3_MOE, larger_model
 
-    larger_model(str(directory))
+    larger_model(str(directory), dtype=dtype)
     specials = ["<pad>", "<bos>", "<eos>"]
     words = specials + [f"t{i}" for i in range(len(specials), LARGER_QWEN3_MOE["vocab_size"])]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))

@@ -1,7 +1,7 @@
-"""The servers `moeshard bench serve` talks to: one already running at a URL, or `moeshard serve` and
-`transformers serve --continuous-batching` started here (CPU, float32, 127.0.0.1, a free port, the
-torch threads asked for), waited for, measured (resident memory of the whole process tree) and
-stopped by PID.
+"""The servers `moeshard bench serve` talks to: one already running at a URL, or `moeshard serve`,
+`transformers serve --continuous-batching` and vLLM's OpenAI server (its CPU build, in its own venv:
+bench/peers.py) started here (CPU, one dtype, 127.0.0.1, a free port, the threads asked for), waited
+for, measured (resident memory of the whole process tree) and stopped by PID.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from moeshard.bench.peers import vllm_env, vllm_python
 
 START_TIMEOUT_S = 600
 STOP_GRACE_S = 20
@@ -41,6 +43,7 @@ class Target:
 IGNORE_EOS = {
     "moeshard": {"ignore_eos": True},
     "transformers": {"generation_config": '{"eos_token_id": -1}'},
+    "vllm": {"ignore_eos": True},
 }
 
 
@@ -79,36 +82,43 @@ def resident_mb(root: int, key: str = "Pss", source: str = "smaps_rollup") -> fl
     return total_kb / 1024
 
 
-def server_command(kind: str, model_dir: str, port: int, max_num_seqs: int, extra: tuple[str, ...] = ()) -> list[str]:
+def server_command(
+    kind: str, model_dir: str, port: int, max_num_seqs: int, dtype: str, extra: tuple[str, ...] = ()
+) -> list[str]:
     if kind == "moeshard":
         return [sys.executable, "-m", "moeshard", "serve", "--model", model_dir, "--host", "127.0.0.1",
-                "--port", str(port), "--max-num-seqs", str(max_num_seqs), *extra]
+                "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *extra]
+    if kind == "vllm":  # `vllm serve` itself fails on the CPU package's name; the module runs
+        return [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
+                "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+                "--disable-log-requests", "--uvicorn-log-level", "warning"]
     # Left alone, transformers serve sizes its cache from free memory (~13 GiB here, even for the bundled
     # model); it gets the cache moeshard reserves: `max_num_seqs` full contexts in 16-token blocks.
     context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
     transformers_cli = Path(sys.executable).with_name("transformers")
     return [str(transformers_cli), "serve", model_dir, "--continuous-batching", "--device", "cpu",
-            "--dtype", "float32", "--cb-block-size", str(KV_BLOCK_SIZE),
+            "--dtype", dtype, "--cb-block-size", str(KV_BLOCK_SIZE),
             "--cb-num-blocks", str(-(-max_num_seqs * context // KV_BLOCK_SIZE)),
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
 
 
 @contextmanager
 def started(
-    kind: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: Path, extra: tuple[str, ...] = ()
+    kind: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: Path, extra: tuple[str, ...] = (),
+    dtype: str = "auto",
 ) -> Iterator[Target]:
-    """`kind` ("moeshard" or "transformers") serving `model_dir` until the block ends (moeshard
-    with the `extra` arguments)."""
+    """`kind` ("moeshard", "transformers" or "vllm") serving `model_dir` in `dtype` until the block
+    ends (moeshard with the `extra` arguments)."""
     port = free_port()
     log_path = log_dir / f"{kind}-serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = vllm_env(threads) if kind == "vllm" else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(kind, model_dir, port, max_num_seqs, extra), stdout=log,
+        proc = subprocess.Popen(server_command(kind, model_dir, port, max_num_seqs, dtype, extra), stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, proc, log_path, kind)
-        model = model_dir if kind == "transformers" else httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        model = model_dir if kind != "moeshard" else httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         yield Target(kind, f"{base}/v1", model, IGNORE_EOS[kind], proc.pid)
     finally:
         stop(proc)

@@ -171,6 +171,7 @@ def run_rl(options: RLOptions, on_step=lambda record: None) -> list[StepRecord]:
             enable_sequence_parallel=options.layout.sp,
             moe_comm=options.moe_comm,
             compile=options.compile,
+            dtype="float32",  # the trainer's: the on-policy check compares the two logprob for logprob
             max_num_seqs=max(per_group, 16),
             max_num_batched_tokens=max(per_group * 8, 512),
             seed=options.seed,

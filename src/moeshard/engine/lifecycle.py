@@ -8,6 +8,7 @@ reloads weights, and recomputes the derived tensors of its own model.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,13 @@ class WeightSchema:
         ckpt = Checkpoint(directory)
         names = [n for n in ckpt.handles if not unused_by_design(n, cfg)]
         return cls({n: (ckpt.shape(n), ckpt.stored_dtype(n)) for n in names})
+
+    def serving_dtype(self) -> str:
+        """What `dtype="auto"` serves: bf16 for a checkpoint stored mostly in bf16 or fp16 (as real
+        MoE checkpoints ship; fp16 is served as bf16, which has its range), else fp32."""
+        half = sum(math.prod(shape) for shape, dtype in self.tensors.values() if dtype in (torch.bfloat16, torch.float16))
+        full = sum(math.prod(shape) for shape, _ in self.tensors.values())
+        return "bfloat16" if 2 * half > full else "float32"
 
     def check_one(self, name: str, tensor) -> None:
         if name not in self.tensors:

@@ -81,6 +81,9 @@ def read_eos(directory: Path) -> set[int]:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
+DTYPES = ("auto", "bfloat16", "float32")
+
+
 class LLM(EngineLifecycle):
     def __init__(
         self,
@@ -91,7 +94,7 @@ class LLM(EngineLifecycle):
         enable_sequence_parallel: bool = False,
         moe_comm: str = "auto",
         compile: bool | str = False,
-        dtype: str = "float32",
+        dtype: str = "auto",
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
@@ -100,7 +103,10 @@ class LLM(EngineLifecycle):
         seed: int = 0,
     ):
         """`model`: a Hugging Face model directory; None: the bundled arithmetic model.
-        `compile`: True (inductor) or a torch.compile backend name."""
+        `compile`: True (inductor) or a torch.compile backend name.
+        `dtype`: "auto" (bf16 for a bf16 or fp16 checkpoint, else fp32), "bfloat16" or "float32"."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
         self.directory = Path(model) if model is not None else MODEL_DIR
         cfg, _ = load_config(self.directory)
         self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel)
@@ -118,10 +124,11 @@ class LLM(EngineLifecycle):
         vocab = self.tokenizer.get_vocab(with_added_tokens=True) if self.tokenizer is not None else {}
         self.max_token_bytes = max((len(token.encode()) for token in vocab), default=1)
         backend = "inductor" if compile is True else compile or None
-        config = worker.WorkerConfig(
-            str(self.directory), self.layout, dtype, self.num_blocks, block_size, moe_comm, backend
-        )
         self.schema = WeightSchema.of(self.directory, cfg)
+        self.dtype = self.schema.serving_dtype() if dtype == "auto" else dtype
+        config = worker.WorkerConfig(
+            str(self.directory), self.layout, self.dtype, self.num_blocks, block_size, moe_comm, backend
+        )
         self.init_lifecycle()
         self.ranks = open_ranks(self.layout, config)
         rules = StopRules(frozenset(self.eos), self.max_model_len, self.decode)

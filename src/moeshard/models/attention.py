@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeshard import kernels
 from moeshard.models import kv_cache
 from moeshard.models.config import AttentionConfig, ModelConfig
 from moeshard.models.kv_cache import CacheSpec, KVCache
@@ -55,9 +56,13 @@ class Linear(nn.Module):
         O, I = size(rows, shape[0]), size(cols, shape[1])
         self.weight_OI = alloc((O, I), Block(f"{name}.weight", shape, (rows, cols)))
         self.bias_O = alloc((O,), Block(f"{name}.bias", shape[:1], (rows,))) if bias else None
+        kernels.register_packed(self, "packed_OI", self.weight_OI)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_OI, self.bias_O)
+        if self.packed_OI is None:
+            return F.linear(x, self.weight_OI, self.bias_O)
+        y = kernels.linear(x, self.packed_OI, self.weight_OI.shape[0])
+        return y if self.bias_O is None else y + self.bias_O
 
 
 class AttentionBase(nn.Module, kv_cache.AttentionLayer):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeshard import kernels
 from moeshard.runtime.graph import serving_op
 from moeshard.runtime.memory import fill_poison
 
@@ -89,6 +90,8 @@ class AttentionMetadata:
     query_rows_NQ: torch.Tensor  # int64 [N, Q]: row of each query; 0 past a sequence's chunk
     query_pos_NQ: torch.Tensor  # int64 position of each query
     padded_query_W: torch.Tensor  # int64 [W]: row i·Q + offset of each of the step's W new tokens
+    query_starts_N1: torch.Tensor  # int64, `query_starts` as a tensor (for moeshard.kernels)
+    seq_lens_N: torch.Tensor  # int64
 
     @classmethod
     def build(
@@ -123,7 +126,11 @@ class AttentionMetadata:
         return cls(
             tuple(starts),
             tuple(seq_lens),
-            *(t.to(device) for t in (slot_mapping_W, slots_NX, valid_NX, rows_NQ, q_pos_NQ, padded_query_W)),
+            *(
+                t.to(device)
+                for t in (slot_mapping_W, slots_NX, valid_NX, rows_NQ, q_pos_NQ, padded_query_W,
+                          torch.tensor(starts, dtype=torch.int64), lens_N)
+            ),
         )
 
 
@@ -174,6 +181,10 @@ def paged_attention(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGe: torch.Tenso
     W = meta.query_starts[-1]  # the step's new tokens are rows 0 … W-1; the rest is padding
     cache.k_SGd.index_copy_(0, meta.slot_mapping_W, k_TGd[:W].to(cache.k_SGd.dtype))
     cache.v_SGe.index_copy_(0, meta.slot_mapping_W, v_TGe[:W].to(cache.v_SGe.dtype))
+    if kernels.serves(cache.k_SGd) and kernels.serves(cache.v_SGe):
+        # Reads each sequence's own slots in place: no padded key positions, no gathered copy.
+        return kernels.paged_attention(q_THd, cache.k_SGd, cache.v_SGe, meta.query_starts_N1, meta.seq_lens_N,
+                                       meta.context_slots_NX, layer.scale, layer.window)
     out_THe = q_THd.new_zeros((q_THd.shape[0], q_THd.shape[1], v_TGe.shape[-1]))
     if not meta.seq_lens:
         return out_THe

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeshard import kernels
 from moeshard.runtime import derived
 from moeshard.models.archs import yarn_mscale
 from moeshard.models.config import RopeConfig
@@ -142,6 +143,7 @@ class VocabParallelEmbedding(nn.Module):
         real = max(0, min(self.rows, vocab - self.start))
         mine = Block(name, (vocab, hidden), (slice(self.start, self.start + real),), (slice(0, real),))
         self.weight_VD = alloc((self.rows, hidden), mine, padding=(slice(real, None),))
+        self.register_buffer("packed_VD", None, persistent=False)  # the LM head's, see CausalLM
         self.comm = TPComm(parallel)
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
@@ -156,7 +158,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
         """[N, D] (every row, not an SP slice) → [N, vocab]: each rank's block of columns, gathered."""
-        logits_NV = F.linear(x_ND, self.weight_VD)
+        if self.packed_VD is not None:  # logits come out of the fp32 accumulator, never rounded to bf16
+            logits_NV = kernels.linear(x_ND, self.packed_VD, self.rows, fp32_out=True)
+        else:
+            logits_NV = F.linear(x_ND, self.weight_VD)
         if self.comm.tp > 1:
             logits_NV = ops.tp_all_gather(logits_NV.T.contiguous()).T
         return logits_NV[:, : self.vocab]
@@ -190,7 +195,9 @@ class DenseMLP(nn.Module):
         gate_up, down = swiglu_blocks(prefix, hidden, intermediate, rows)
         I = size(rows, intermediate)
         self.gate_up_FD, self.down_DI = alloc((2 * I, hidden), *gate_up), alloc((hidden, I), down)
+        kernels.register_swiglu(self, self.gate_up_FD, self.down_DI)
         self.comm = TPComm(parallel)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.comm.reduce(swiglu(self.comm.gather_rows(x_TD), self.gate_up_FD, self.down_DI))
+        packed = (self.gate_up_packed, self.down_packed)
+        return self.comm.reduce(swiglu(self.comm.gather_rows(x_TD), self.gate_up_FD, self.down_DI, packed))

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moeshard import kernels
+from moeshard.runtime import derived
 from moeshard.models.archs import Architecture, CheckpointNames, parse_config
 from moeshard.models.attention import Attention, LatentAttention, check_heads
 from moeshard.models.checkpoint import Checkpoint, CheckpointError, TensorSource, read_config
@@ -177,6 +179,7 @@ class CausalLM(nn.Module):
             if cfg.tie_embeddings
             else VocabParallelEmbedding(alloc, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
         )
+        kernels.register_packed(self.lm_head, "packed_VD", self.lm_head.weight_VD)
         self.comm = TPComm(parallel)
 
     def parts(self) -> list[str | int]:
@@ -235,6 +238,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> Cau
     except CheckpointError as exc:
         error = str(exc)
     ckpt.finish(unused_ok=lambda name: unused_by_design(name, cfg), error=error)
+    derived.rebuild(model.derived_owners())  # what is computed from the weights, from the loaded ones
     return model.eval()
 
 

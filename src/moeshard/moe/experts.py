@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeshard import kernels
 from moeshard.moe.weights import empty_param
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,14 +62,20 @@ class GroupedExperts(nn.Module):
         # native bf16, a contiguous [in, out] operand takes a matmul path several times slower.
         self.w13_LFD = empty_param((L, 2 * I, D), dtype, device)
         self.w2_LDI = empty_param((L, D, I), dtype, device)
+        kernels.register_swiglu(self, self.w13_LFD, self.w2_LDI)
 
     def forward(self, x_MD: torch.Tensor, group_ends_L: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x_MD, self.w13_LFD, self.w2_LDI, group_ends_L)
+        return grouped_swiglu(x_MD, self.w13_LFD, self.w2_LDI, group_ends_L, self.gate_up_packed, self.down_packed)
 
 
-def grouped_swiglu(x_MD, w13_LFD, w2_LDI, group_ends_L: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(
+    x_MD, w13_LFD, w2_LDI, group_ends_L: torch.Tensor, gate_up_packed=None, down_packed=None
+) -> torch.Tensor:
     """Rows sorted by local expert; rows past `group_ends_L[-1]` come back undefined (see
-    `zero_rows_past_groups_` for a caller that reads them)."""
+    `zero_rows_past_groups_` for a caller that reads them). With the weights packed for
+    moeshard.kernels, the kernels compute it."""
+    if gate_up_packed is not None:
+        return kernels.grouped_swiglu(x_MD, gate_up_packed, down_packed, group_ends_L)
     gate_MI, up_MI = grouped_linear(x_MD, w13_LFD.transpose(1, 2), group_ends_L).chunk(2, dim=-1)
     return grouped_linear(F.silu(gate_MI) * up_MI, w2_LDI.transpose(1, 2), group_ends_L)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moeshard.runtime import derived
 from moeshard.runtime.graph import serving_op
 from moeshard.moe.config import MoEConfig
 from moeshard.moe.context import get_forward_context
@@ -109,6 +110,7 @@ class MoELayer(nn.Module):
                 raise ValueError(f"MoE layer {self.name!r}: {name} is {got}, but the config implies {expected}.")
             if param is not None:
                 param.data.copy_(t)
+        derived.rebuild(list(self.modules()))  # the experts' packed weights (moeshard.kernels), from these
 
     def check_input(self, x_TD: torch.Tensor) -> None:
         if x_TD.dim() != 2 or x_TD.shape[1] != self.cfg.hidden or x_TD.dtype != self.dtype:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moeshard.moe.config import MoEConfig, SharedLayout
+from moeshard import kernels
 from moeshard.moe.functional import pad_rows, swiglu
 from moeshard.moe.weights import RankShard, empty_param
 from moeshard.parallel import ops
@@ -28,10 +29,11 @@ class SharedExperts(nn.Module):
         self.tp, self.tp_rank, self.sp = parallel.layout.tp, parallel.tp_rank, parallel.layout.sp
         D, S, device = cfg.hidden, cfg.shared_intermediate // shard.shared_parts, parallel.device
         self.gate_up_FD, self.down_DI = empty_param((2 * S, D), dtype, device), empty_param((D, S), dtype, device)
+        kernels.register_swiglu(self, self.gate_up_FD, self.down_DI)
         self.gate_1D = empty_param((1, D), dtype, device) if cfg.shared_gate else None
 
     def mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
-        y_TD = swiglu(x_TD, self.gate_up_FD, self.down_DI)
+        y_TD = swiglu(x_TD, self.gate_up_FD, self.down_DI, (self.gate_up_packed, self.down_packed))
         if self.gate_1D is not None:
             # A per-token scalar, so it may multiply a partial sum before the reduction.
             y_TD = y_TD * torch.sigmoid(x_TD @ self.gate_1D.T)

@@ -34,7 +34,7 @@ def serve_command(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, enable_expert_parallel=args.ep,
         enable_sequence_parallel=args.sp, moe_comm=args.moe_comm,
-        compile=args.compile_backend if args.compile else False, max_num_seqs=args.max_num_seqs,
+        compile=args.compile_backend if args.compile else False, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
     )
     engine = AsyncLLM(llm)

@@ -42,6 +42,7 @@ def run_eval(
     n: int,
     model: str | None = None,
     on_row: Callable[[EvalRow], None] = lambda row: None,
+    dtype: str = "auto",
 ) -> list[EvalRow]:
     """`backends`: None for eager, else a torch.compile backend; each layout runs each of them."""
     if not 1 <= n <= HELD_OUT:
@@ -64,6 +65,7 @@ def run_eval(
                 moe_comm=methods[0],
                 compile=backend or False,
                 max_num_seqs=max(concurrencies),
+                dtype=dtype,
             ) as llm:
                 for method in methods:
                     llm.set_moe_comm(method)

@@ -1,0 +1,135 @@
+"""The bf16 CPU kernels (moeshard.kernels) against torch's ops, with the awkward shapes: one row,
+odd output counts, inputs not a multiple of the vector width, experts with no rows, rows no expert
+computes, sliding windows, poisoned cache slots that no sequence owns."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeshard import kernels
+from moeshard.models import kv_cache
+from moeshard.runtime.memory import fill_poison
+
+pytestmark = pytest.mark.skipif(
+    not kernels.serves(torch.empty(2, 2, dtype=torch.bfloat16)), reason="this CPU has no AVX512-BF16 (or no compiler)"
+)
+
+
+@pytest.mark.parametrize("M, K, N", [(1, 512, 512), (3, 62, 37), (7, 2048, 1000), (64, 96, 130), (0, 64, 64)])
+def test_linear_matches_fp32_and_a_row_never_depends_on_the_batch(M, K, N):
+    g = torch.Generator().manual_seed(M + K + N)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    packed = kernels.pack(w)
+    exact = x.float() @ w.float().T
+    got = kernels.linear(x, packed, N, fp32_out=True)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    assert torch.allclose(got, exact, rtol=1e-5, atol=1e-4)  # fp32 accumulation of bf16 products
+    assert torch.equal(kernels.linear(x, packed, N), got.bfloat16())
+    for m in range(M):  # alone, or anywhere in a batch: bitwise the same
+        assert torch.equal(kernels.linear(x[m : m + 1].clone(), packed, N, fp32_out=True)[0], got[m])
+
+
+def torch_grouped_swiglu(x, w13, w2, ends):
+    gate, up = F.grouped_mm(x, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    return F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+
+
+@pytest.mark.parametrize("L, D, I", [(8, 64, 40), (32, 512, 256), (3, 32, 8)])
+def test_grouped_swiglu_equals_torchs_bf16_experts(L, D, I):
+    g = torch.Generator().manual_seed(L)
+    w13 = (torch.randn(L, 2 * I, D, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(L, D, I, generator=g) * 0.05).bfloat16()
+    x = torch.randn(50, D, generator=g).bfloat16()
+    labels = torch.randint(0, L + 1, (50,), generator=g).sort().values  # label L: not computed here
+    labels[labels == 1] = 2  # expert 1 gets no rows
+    ends = torch.bincount(labels, minlength=L + 1)[:L].cumsum(0).to(torch.int32)
+    computed = int(ends[-1])
+    got = kernels.grouped_swiglu(x, kernels.pack_gate_up(w13), kernels.pack_down(w2), ends)
+    want = torch_grouped_swiglu(x, w13, w2, ends)
+    assert torch.allclose(got[:computed].float(), want[:computed].float(), rtol=1e-2, atol=1e-3)
+    assert torch.equal(got[computed:], torch.zeros_like(got[computed:]))
+    one = kernels.grouped_swiglu(x[:1].clone(), kernels.pack_gate_up(w13), kernels.pack_down(w2), ends.clamp(max=1))
+    assert torch.equal(one[0], got[0])
+
+
+def test_dense_swiglu_is_one_expert():
+    g = torch.Generator().manual_seed(3)
+    gate_up, down = torch.randn(2 * 48, 64, generator=g).bfloat16(), torch.randn(64, 48, generator=g).bfloat16()
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    ends = torch.tensor([5], dtype=torch.int32)
+    want = torch_grouped_swiglu(x, gate_up[None], down[None], ends)
+    got = kernels.swiglu(x, kernels.pack_gate_up(gate_up), kernels.pack_down(down))
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_bad_operands_are_refused_with_a_sentence():
+    packed = kernels.pack(torch.randn(16, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="x has 6 inputs; the packed weight has 4 pairs"):
+        kernels.linear(torch.randn(2, 6).bfloat16(), packed, 16)
+    with pytest.raises(RuntimeError, match="must be a bfloat16 CPU tensor"):
+        kernels.linear(torch.randn(2, 8), packed, 16)
+    w13, w2 = kernels.pack_gate_up(torch.randn(2, 32, 16).bfloat16()), kernels.pack_down(torch.randn(2, 16, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="must not decrease"):
+        kernels.grouped_swiglu(torch.randn(4, 16).bfloat16(), w13, w2, torch.tensor([3, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_paged_attention_equals_the_torch_path(window, q_dtype, monkeypatch):
+    """Mixed steps (prefill chunks and decodes, blocks anywhere in the pool) over a poisoned cache:
+    the kernel reads only each sequence's own slots, so the poison never shows."""
+    G, d, H, block_size, num_blocks = 2, 64, 4, 8, 30
+    cache = kv_cache.allocate(kv_cache.CacheSpec(G, d, d), num_blocks, block_size, torch.bfloat16, "cpu", poison=True)
+
+    class Layer:
+        pass
+
+    layer = Layer()
+    layer.cache, layer.scale, layer.window = cache, 0.125, window
+    name = f"test_kernels.{window}.{q_dtype}"
+    kv_cache.register(name, layer)
+    g = torch.Generator().manual_seed(0)
+    query_lens, seq_lens = [5, 1, 1, 17, 1], [5, 30, 9, 40, 70]
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in seq_lens:
+        tables.append([order.pop() for _ in range(-(-n // block_size))])
+    for table, n, q in zip(tables, seq_lens, query_lens):  # the context before this step
+        for p in range(n - q):
+            slot = table[p // block_size] * block_size + p % block_size
+            cache.k_SGd[slot] = torch.randn(G, d, generator=g).bfloat16()
+            cache.v_SGe[slot] = torch.randn(G, d, generator=g).bfloat16()
+    meta = kv_cache.AttentionMetadata.build(query_lens, seq_lens, tables, block_size, kv_cache.null_slot(num_blocks, block_size))
+    T = sum(query_lens) + 3  # three padding rows
+    q, k, v = (torch.randn(T, n, d, generator=g).to(q_dtype) for n in (H, G, G))
+    with kv_cache.attention_context(meta):
+        got = kv_cache.paged_attention(q, k, v, name)
+        unused_k, unused_v = cache.k_SGd.clone(), cache.v_SGe.clone()
+        monkeypatch.setenv("MOESHARD_CPU_KERNELS", "0")
+        kernels._built.cache_clear()
+        try:
+            want = kv_cache.paged_attention(q, k, v, name)
+        finally:
+            monkeypatch.undo()
+            kernels._built.cache_clear()
+    same_bits = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN poison included
+    assert same_bits(cache.k_SGd, unused_k) and same_bits(cache.v_SGe, unused_v)  # both wrote the same K/V
+    assert got.dtype == q_dtype and torch.isfinite(got).all()
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(got[-3:], torch.zeros_like(got[-3:]))
+
+
+def test_poison_in_the_packed_weights_is_what_a_rebuild_removes():
+    """Packed weights are derived tensors: a rebuild recomputes them from the weights in place."""
+    from moeshard.runtime import derived
+    from torch import nn
+
+    owner = nn.Module()
+    weight = torch.randn(40, 32).bfloat16()
+    kernels.register_packed(owner, "packed", weight)
+    first = owner.packed
+    fill_poison(owner.packed)
+    weight.copy_(torch.randn(40, 32).bfloat16())
+    derived.rebuild([owner])
+    assert owner.packed is first and torch.equal(owner.packed, kernels.pack(weight))
