@@ -43,7 +43,8 @@ class VllmOffline:
         script = Path(__file__).with_name("peer_vllm.py")
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [vllm_python(), str(script), model_dir, dtype, str(max_num_seqs), str(max_model_len)],
+            # -P: the script's folder (moeshard's bench/, with its own kernels.py) stays off sys.path
+            [vllm_python(), "-P", str(script), model_dir, dtype, str(max_num_seqs), str(max_model_len)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=vllm_env(threads),
         )
         if "ready" not in self.reply():
