@@ -26,7 +26,8 @@ from torch import nn
 from moeshard.runtime import derived
 
 PANEL = 64  # outputs per packed panel (four vectors of 16)
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+# -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it they run on one thread.
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +39,8 @@ def _built() -> bool:
 
     source = Path(__file__).with_name("cpu_bf16.cpp")
     try:
-        cpp_extension.load("moeshard_cpu_bf16", [str(source)], extra_cflags=_FLAGS, is_python_module=False)
+        cpp_extension.load("moeshard_cpu_bf16", [str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                           is_python_module=False)
     except Exception as exc:  # no compiler, no ninja: serve with torch's ops rather than not at all
         log.warning("moeshard: the bf16 CPU kernels did not build (%s); using torch's bf16 ops", exc)
         return False
