@@ -153,8 +153,8 @@ void check_rows(const at::Tensor& x, int64_t P) {
   TORCH_CHECK((x.size(1) + 1) / 2 == P && x.size(1) % 2 == 0, "x has ", x.size(1), " inputs; the packed weight has ", P, " pairs");
 }
 
-// Work is split in chunks of this many packed blocks: the split is the same for any thread count.
-constexpr int64_t kGrainBlocks = 4;
+// The experts' work is split in chunks of this many blocks (one panel), per expert.
+constexpr int64_t kGrainBlocks = kMaxBlocks;
 
 at::Tensor linear(const at::Tensor& x_MK, const at::Tensor& w_BP2, int64_t N, bool fp32_out) {
   check_bf16(w_BP2, "weight");
@@ -167,7 +167,9 @@ at::Tensor linear(const at::Tensor& x_MK, const at::Tensor& w_BP2, int64_t N, bo
   if (M == 0 || N == 0) return out;
   const auto* x = x_MK.data_ptr<at::BFloat16>();
   const auto* w = w_BP2.data_ptr<at::BFloat16>();
-  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+  // Split by whole panels (a tile never straddles two), whatever ranges the threads get.
+  at::parallel_for(0, w_BP2.size(0), 1, [&](int64_t p0, int64_t p1) {
+    const int64_t b0 = p0 * kMaxBlocks, b1 = std::min(p1 * kMaxBlocks, blocks);
     if (fp32_out)
       gemm_blocks(x, x_MK.stride(0), M, w, P, N, out.data_ptr<float>(), N, b0, b1);
     else
