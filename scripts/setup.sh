@@ -14,3 +14,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".[test]"
+# Build moeshard.kernels now (~15 s; a no-op where the CPU lacks AVX512-BF16) rather than inside the
+# first engine that serves bf16.
+.venv/bin/python -c "from moeshard import kernels; kernels.built()"

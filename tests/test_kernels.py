@@ -107,12 +107,12 @@ def test_paged_attention_equals_the_torch_path(window, q_dtype, monkeypatch):
         got = kv_cache.paged_attention(q, k, v, name)
         unused_k, unused_v = cache.k_SGd.clone(), cache.v_SGe.clone()
         monkeypatch.setenv("MOESHARD_CPU_KERNELS", "0")
-        kernels._built.cache_clear()
+        kernels.built.cache_clear()
         try:
             want = kv_cache.paged_attention(q, k, v, name)
         finally:
             monkeypatch.undo()
-            kernels._built.cache_clear()
+            kernels.built.cache_clear()
     same_bits = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN poison included
     assert same_bits(cache.k_SGd, unused_k) and same_bits(cache.v_SGe, unused_v)  # both wrote the same K/V
     assert got.dtype == q_dtype and torch.isfinite(got).all()

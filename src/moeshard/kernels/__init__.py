@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def _built() -> bool:
+def built() -> bool:
+    """Whether the kernels run here (built on the first call, then cached on disk by cpp_extension)."""
     if os.environ.get("MOESHARD_CPU_KERNELS", "1") == "0" or not torch.cpu._is_avx512_bf16_supported():
         return False
     from torch.utils import cpp_extension
@@ -57,7 +58,7 @@ def _built() -> bool:
 def serves(weight: torch.Tensor) -> bool:
     """Whether products with `weight` run on these kernels: bf16 on a CPU that has them, an even
     number of inputs (the kernel reads inputs in pairs)."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[-1] % 2 == 0 and _built()
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[-1] % 2 == 0 and built()
 
 
 def pack(w_NK: torch.Tensor) -> torch.Tensor:
