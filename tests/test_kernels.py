@@ -74,20 +74,26 @@ def test_bad_operands_are_refused_with_a_sentence():
         kernels.grouped_swiglu(torch.randn(4, 16).bfloat16(), w13, w2, torch.tensor([3, 1], dtype=torch.int32))
 
 
+# (KV heads, key dim, value dim, query heads): GQA with the register path, and MLA's shape (one
+# latent "head", keys longer than values, dims not a multiple of 16) with the general one.
+HEADS = [(2, 64, 64, 4), (1, 72, 40, 3)]
+
+
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_paged_attention_equals_the_torch_path(window, q_dtype, monkeypatch):
+@pytest.mark.parametrize("G, d, e, H", HEADS)
+def test_paged_attention_equals_the_torch_path(window, q_dtype, G, d, e, H, monkeypatch):
     """Mixed steps (prefill chunks and decodes, blocks anywhere in the pool) over a poisoned cache:
     the kernel reads only each sequence's own slots, so the poison never shows."""
-    G, d, H, block_size, num_blocks = 2, 64, 4, 8, 30
-    cache = kv_cache.allocate(kv_cache.CacheSpec(G, d, d), num_blocks, block_size, torch.bfloat16, "cpu", poison=True)
+    block_size, num_blocks = 8, 30
+    cache = kv_cache.allocate(kv_cache.CacheSpec(G, d, e), num_blocks, block_size, torch.bfloat16, "cpu", poison=True)
 
     class Layer:
         pass
 
     layer = Layer()
     layer.cache, layer.scale, layer.window = cache, 0.125, window
-    name = f"test_kernels.{window}.{q_dtype}"
+    name = f"test_kernels.{window}.{q_dtype}.{G}.{d}.{e}"
     kv_cache.register(name, layer)
     g = torch.Generator().manual_seed(0)
     query_lens, seq_lens = [5, 1, 1, 17, 1], [5, 30, 9, 40, 70]
@@ -99,10 +105,10 @@ def test_paged_attention_equals_the_torch_path(window, q_dtype, monkeypatch):
         for p in range(n - q):
             slot = table[p // block_size] * block_size + p % block_size
             cache.k_SGd[slot] = torch.randn(G, d, generator=g).bfloat16()
-            cache.v_SGe[slot] = torch.randn(G, d, generator=g).bfloat16()
+            cache.v_SGe[slot] = torch.randn(G, e, generator=g).bfloat16()
     meta = kv_cache.AttentionMetadata.build(query_lens, seq_lens, tables, block_size, kv_cache.null_slot(num_blocks, block_size))
     T = sum(query_lens) + 3  # three padding rows
-    q, k, v = (torch.randn(T, n, d, generator=g).to(q_dtype) for n in (H, G, G))
+    q, k, v = (torch.randn(T, n, dim, generator=g).to(q_dtype) for n, dim in ((H, d), (G, d), (G, e)))
     with kv_cache.attention_context(meta):
         got = kv_cache.paged_attention(q, k, v, name)
         unused_k, unused_v = cache.k_SGd.clone(), cache.v_SGe.clone()
