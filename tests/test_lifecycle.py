@@ -56,23 +56,23 @@ def texts(llm):
     return [o.text for o in llm.generate(PROMPTS, GREEDY, max_concurrency=16)]
 
 
-def run_cycles(llm, reference, updates):
+def run_cycles(llm, reference, updates, poison=True):
     assert texts(llm) == reference
     for weights, expected in updates:  # the RL loop: the trainer had the memory, new weights arrive
         llm.sleep(level=2)
-        llm.wake_up(["weights"], poison=True)
+        llm.wake_up(["weights"], poison=poison)
         llm.update_weights(weights.items())
-        llm.wake_up(["kv_cache"], poison=True)
+        llm.wake_up(["kv_cache"], poison=poison)
         assert texts(llm) == expected
     for _ in range(CYCLES):
         llm.sleep(level=1)
-        llm.wake_up(poison=True)
+        llm.wake_up(poison=poison)
         assert texts(llm) == updates[-1][1]
     for _ in range(CYCLES):
         llm.sleep(level=2)
-        llm.wake_up(["weights"], poison=True)
+        llm.wake_up(["weights"], poison=poison)
         llm.reload_weights()
-        llm.wake_up(["kv_cache"], poison=True)
+        llm.wake_up(["kv_cache"], poison=poison)
         assert texts(llm) == reference
 
 
@@ -88,12 +88,14 @@ def test_sleep_wake_update_reload_equal_a_fresh_engine(reference, updates, tp, m
 
 
 def test_negative_control_without_the_derived_rebuild(reference, updates, monkeypatch):
-    """Poisoned expert maps and RoPE tables left as the wake made them: the same cycles must fail
-    (loudly, on garbage indices, or with different answers)."""
+    """Expert maps and RoPE tables left as a poisoned wake made them: the same cycles must fail.
+    The poison is the silent kind (values in range, no NaN, no index out of bounds), so nothing
+    fails loudly: the answers differ. (With out-of-range owners, gloo could abort the driver's
+    process inside an all-to-all before any Python error: seen once in a fresh-clone CI run.)"""
     monkeypatch.setenv("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD", "1")
     with LLM(data_parallel_size=2, enable_expert_parallel=True, moe_comm="alltoall", dtype="float32") as llm:
         with pytest.raises((AssertionError, RuntimeError)):
-            run_cycles(llm, reference, updates)
+            run_cycles(llm, reference, updates, poison="in_range")
 
 
 def cut_short(items, after):
