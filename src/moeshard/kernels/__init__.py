@@ -106,12 +106,15 @@ def register_swiglu(owner: nn.Module, gate_up: torch.Tensor, down: torch.Tensor)
     register_packed(owner, "down_packed", down, pack_down)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] as [M, K] rows the kernels read in pairs: unit stride, an even row stride."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows.contiguous() if rows.stride(-1) != 1 or rows.stride(0) % 2 else rows
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, fp32_out: bool = False) -> torch.Tensor:
     """`F.linear(x, w)` for `packed = pack(w)`; bf16 out, or fp32 (the accumulator) with `fp32_out`."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1 or rows.stride(0) % 2:
-        rows = rows.contiguous()
-    out = torch.ops.moeshard_cpu.linear(rows, packed, out_features, fp32_out)
+    out = torch.ops.moeshard_cpu.linear(_rows(x), packed, out_features, fp32_out)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -119,14 +122,12 @@ def grouped_swiglu(
     x_MD: torch.Tensor, gate_up_packed: torch.Tensor, down_packed: torch.Tensor, group_ends_L: torch.Tensor
 ) -> torch.Tensor:
     """Rows sorted by expert (`pack_gate_up`, `pack_down` weights); rows past the last end are zero."""
-    if x_MD.stride(-1) != 1 or x_MD.stride(0) % 2:
-        x_MD = x_MD.contiguous()
-    return torch.ops.moeshard_cpu.grouped_swiglu(x_MD, gate_up_packed, down_packed, group_ends_L)
+    return torch.ops.moeshard_cpu.grouped_swiglu(_rows(x_MD), gate_up_packed, down_packed, group_ends_L)
 
 
 def swiglu(x_TD: torch.Tensor, gate_up_packed: torch.Tensor, down_packed: torch.Tensor) -> torch.Tensor:
     """One SwiGLU (packed as one expert) over every row."""
-    rows_TD = x_TD.reshape(-1, x_TD.shape[-1])
+    rows_TD = _rows(x_TD)
     ends_1 = torch.full((1,), rows_TD.shape[0], dtype=torch.int32)
     return grouped_swiglu(rows_TD, gate_up_packed, down_packed, ends_1).view(x_TD.shape)
 

@@ -338,12 +338,16 @@ void paged_attention_impl(const at::Tensor& q_THd, const at::Tensor& k_SGd, cons
                           const int64_t* starts, const int64_t* lens, const int64_t* slots, int64_t X, int64_t N,
                           double scale, int64_t window, at::Tensor& out_THe) {
   const int64_t H = q_THd.size(1), d = q_THd.size(2), G = k_SGd.size(1), e = v_SGe.size(2), h = H / G;
+  const Q* q = q_THd.data_ptr<Q>();
+  Q* out = out_THe.data_ptr<Q>();
+  const at::BFloat16* k_cache = k_SGd.data_ptr<at::BFloat16>();
+  const at::BFloat16* v_cache = v_SGe.data_ptr<at::BFloat16>();
   at::parallel_for(0, N * G, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t / G, g = t % G, rows = starts[i + 1] - starts[i], first = lens[i] - rows;
-      const at::BFloat16* k = k_SGd.data_ptr<at::BFloat16>() + g * k_SGd.stride(1);
-      const at::BFloat16* v = v_SGe.data_ptr<at::BFloat16>() + g * v_SGe.stride(1);
+      const at::BFloat16* k = k_cache + g * k_SGd.stride(1);
+      const at::BFloat16* v = v_cache + g * v_SGe.stride(1);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = first + r, lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         const int64_t row = starts[i] + r;
@@ -351,8 +355,8 @@ void paged_attention_impl(const at::Tensor& q_THd, const at::Tensor& k_SGd, cons
           const Q* q_heads[2];
           Q* out_heads[2];
           for (int b = 0; b < 2 && hh + b < h; ++b) {
-            q_heads[b] = q_THd.data_ptr<Q>() + row * q_THd.stride(0) + (g * h + hh + b) * q_THd.stride(1);
-            out_heads[b] = out_THe.data_ptr<Q>() + row * out_THe.stride(0) + (g * h + hh + b) * out_THe.stride(1);
+            q_heads[b] = q + row * q_THd.stride(0) + (g * h + hh + b) * q_THd.stride(1);
+            out_heads[b] = out + row * out_THe.stride(0) + (g * h + hh + b) * out_THe.stride(1);
           }
           if (hh + 1 < h)
             attend_row<Q, 2, DV, EV>(q_heads, out_heads, k, k_SGd.stride(0), v, v_SGe.stride(0), slots + i * X, lo,
