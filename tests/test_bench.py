@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_lm_head_runs_and_checks_parity():
     proc = subprocess.run(
@@ -44,6 +46,10 @@ def test_bench_e2e_alternates_contenders_with_identical_tokens(tmp_path):
     one, three = (f["weight_mb"] for f in floors)
     assert 16 * expert_mb < one and 16 * expert_mb <= three - one + 16 * expert_mb <= 48 * expert_mb
     assert all(f["bandwidth_gbs"] > 0 and f["floor_ms"] > 0 and f["kv_mb"] > 0 for f in floors)
+    # Multiply-adds scale with the sequences (each token its own top-k, the same context length);
+    # the routed part alone is 2 × 4 layers × top-4 × 3 × 512 × 256 per token.
+    assert floors[1]["gflop"] == pytest.approx(3 * floors[0]["gflop"])
+    assert floors[0]["gflop"] > 2 * 4 * 4 * 3 * 512 * 256 / 1e9 and all(f["compute_floor_ms"] > 0 for f in floors)
 
 
 def test_bench_layer_alternates_contenders_and_replays_its_own_gemms(tmp_path):

@@ -1,4 +1,4 @@
-"""The bf16 CPU kernels (moeshard.kernels) against torch's ops, with the awkward shapes: one row,
+"""The CPU kernels (moeshard.kernels, bf16 and fp32) against torch's ops, with the awkward shapes: one row,
 odd output counts, inputs not a multiple of the vector width, experts with no rows, rows no expert
 computes, sliding windows, poisoned cache slots that no sequence owns."""
 
@@ -15,17 +15,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("M, K, N", [(1, 512, 512), (3, 62, 37), (7, 2048, 1000), (64, 96, 130), (0, 64, 64)])
-def test_linear_matches_fp32_and_a_row_never_depends_on_the_batch(M, K, N):
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, K, N", [(1, 512, 512), (3, 62, 37), (7, 2048, 1000), (64, 96, 130), (0, 64, 64), (5, 33, 20)])
+def test_linear_matches_fp32_and_a_row_never_depends_on_the_batch(M, K, N, dtype):
+    if K % 2 and dtype == torch.bfloat16:
+        return  # bf16 inputs come in pairs (kernels.serves says no)
     g = torch.Generator().manual_seed(M + K + N)
-    x = torch.randn(M, K, generator=g).bfloat16()
-    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
     packed = kernels.pack(w)
-    exact = x.float() @ w.float().T
+    exact = x.double() @ w.double().T
     got = kernels.linear(x, packed, N, fp32_out=True)
     assert got.shape == (M, N) and got.dtype == torch.float32
-    assert torch.allclose(got, exact, rtol=1e-5, atol=1e-4)  # fp32 accumulation of bf16 products
-    assert torch.equal(kernels.linear(x, packed, N), got.bfloat16())
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)  # fp32 accumulation of the products
+    assert torch.equal(kernels.linear(x, packed, N), got.to(dtype))
     for m in range(M):  # alone, or anywhere in a batch: bitwise the same
         assert torch.equal(kernels.linear(x[m : m + 1].clone(), packed, N, fp32_out=True)[0], got[m])
 
@@ -35,28 +41,31 @@ def torch_grouped_swiglu(x, w13, w2, ends):
     return F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("L, D, I", [(8, 64, 40), (32, 512, 256), (3, 32, 8)])
-def test_grouped_swiglu_equals_torchs_bf16_experts(L, D, I):
+def test_grouped_swiglu_equals_torchs_experts(L, D, I, dtype):
     g = torch.Generator().manual_seed(L)
-    w13 = (torch.randn(L, 2 * I, D, generator=g) * 0.05).bfloat16()
-    w2 = (torch.randn(L, D, I, generator=g) * 0.05).bfloat16()
-    x = torch.randn(50, D, generator=g).bfloat16()
+    w13 = (torch.randn(L, 2 * I, D, generator=g) * 0.05).to(dtype)
+    w2 = (torch.randn(L, D, I, generator=g) * 0.05).to(dtype)
+    x = torch.randn(50, D, generator=g).to(dtype)
     labels = torch.randint(0, L + 1, (50,), generator=g).sort().values  # label L: not computed here
     labels[labels == 1] = 2  # expert 1 gets no rows
     ends = torch.bincount(labels, minlength=L + 1)[:L].cumsum(0).to(torch.int32)
     computed = int(ends[-1])
     got = kernels.grouped_swiglu(x, kernels.pack_gate_up(w13), kernels.pack_down(w2), ends)
     want = torch_grouped_swiglu(x, w13, w2, ends)
-    assert torch.allclose(got[:computed].float(), want[:computed].float(), rtol=1e-2, atol=1e-3)
+    tol = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    assert got.dtype == dtype and torch.allclose(got[:computed].float(), want[:computed].float(), **tol)
     assert torch.equal(got[computed:], torch.zeros_like(got[computed:]))
     one = kernels.grouped_swiglu(x[:1].clone(), kernels.pack_gate_up(w13), kernels.pack_down(w2), ends.clamp(max=1))
     assert torch.equal(one[0], got[0])
 
 
-def test_dense_swiglu_is_one_expert():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_swiglu_is_one_expert(dtype):
     g = torch.Generator().manual_seed(3)
-    gate_up, down = torch.randn(2 * 48, 64, generator=g).bfloat16(), torch.randn(64, 48, generator=g).bfloat16()
-    x = torch.randn(5, 64, generator=g).bfloat16()
+    gate_up, down = torch.randn(2 * 48, 64, generator=g).to(dtype), torch.randn(64, 48, generator=g).to(dtype)
+    x = torch.randn(5, 64, generator=g).to(dtype)
     ends = torch.tensor([5], dtype=torch.int32)
     want = torch_grouped_swiglu(x, gate_up[None], down[None], ends)
     got = kernels.swiglu(x, kernels.pack_gate_up(gate_up), kernels.pack_down(down))
@@ -65,10 +74,12 @@ def test_dense_swiglu_is_one_expert():
 
 def test_bad_operands_are_refused_with_a_sentence():
     packed = kernels.pack(torch.randn(16, 8).bfloat16())
-    with pytest.raises(RuntimeError, match="x has 6 inputs; the packed weight has 4 pairs"):
+    with pytest.raises(RuntimeError, match="x has 6 inputs; the packed weight has 8"):
         kernels.linear(torch.randn(2, 6).bfloat16(), packed, 16)
-    with pytest.raises(RuntimeError, match="must be a bfloat16 CPU tensor"):
+    with pytest.raises(RuntimeError, match="x must have the packed weight's dtype"):
         kernels.linear(torch.randn(2, 8), packed, 16)
+    with pytest.raises(RuntimeError, match="must be packed by moeshard.kernels.pack"):
+        kernels.linear(torch.randn(2, 8), torch.randn(1, 8, 64, 2), 16)
     w13, w2 = kernels.pack_gate_up(torch.randn(2, 32, 16).bfloat16()), kernels.pack_down(torch.randn(2, 16, 16).bfloat16())
     with pytest.raises(RuntimeError, match="must not decrease"):
         kernels.grouped_swiglu(torch.randn(4, 16).bfloat16(), w13, w2, torch.tensor([3, 1], dtype=torch.int32))
@@ -80,20 +91,20 @@ HEADS = [(2, 64, 64, 4), (1, 72, 40, 3)]
 
 
 @pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.bfloat16,) * 2, (torch.float32, torch.bfloat16), (torch.float32,) * 2])
 @pytest.mark.parametrize("G, d, e, H", HEADS)
-def test_paged_attention_equals_the_torch_path(window, q_dtype, G, d, e, H, monkeypatch):
+def test_paged_attention_equals_the_torch_path(window, q_dtype, cache_dtype, G, d, e, H, monkeypatch):
     """Mixed steps (prefill chunks and decodes, blocks anywhere in the pool) over a poisoned cache:
     the kernel reads only each sequence's own slots, so the poison never shows."""
     block_size, num_blocks = 8, 30
-    cache = kv_cache.allocate(kv_cache.CacheSpec(G, d, e), num_blocks, block_size, torch.bfloat16, "cpu", poison=True)
+    cache = kv_cache.allocate(kv_cache.CacheSpec(G, d, e), num_blocks, block_size, cache_dtype, "cpu", poison=True)
 
     class Layer:
         pass
 
     layer = Layer()
     layer.cache, layer.scale, layer.window = cache, 0.125, window
-    name = f"test_kernels.{window}.{q_dtype}.{G}.{d}.{e}"
+    name = f"test_kernels.{window}.{q_dtype}.{cache_dtype}.{G}.{d}.{e}"
     kv_cache.register(name, layer)
     g = torch.Generator().manual_seed(0)
     query_lens, seq_lens = [5, 1, 1, 17, 1], [5, 30, 9, 40, 70]
@@ -104,8 +115,8 @@ def test_paged_attention_equals_the_torch_path(window, q_dtype, G, d, e, H, monk
     for table, n, q in zip(tables, seq_lens, query_lens):  # the context before this step
         for p in range(n - q):
             slot = table[p // block_size] * block_size + p % block_size
-            cache.k_SGd[slot] = torch.randn(G, d, generator=g).bfloat16()
-            cache.v_SGe[slot] = torch.randn(G, e, generator=g).bfloat16()
+            cache.k_SGd[slot] = torch.randn(G, d, generator=g).to(cache_dtype)
+            cache.v_SGe[slot] = torch.randn(G, e, generator=g).to(cache_dtype)
     meta = kv_cache.AttentionMetadata.build(query_lens, seq_lens, tables, block_size, kv_cache.null_slot(num_blocks, block_size))
     T = sum(query_lens) + 3  # three padding rows
     q, k, v = (torch.randn(T, n, dim, generator=g).to(q_dtype) for n, dim in ((H, d), (G, d), (G, e)))
@@ -122,7 +133,8 @@ def test_paged_attention_equals_the_torch_path(window, q_dtype, G, d, e, H, monk
     same_bits = lambda a, b: torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN poison included
     assert same_bits(cache.k_SGd, unused_k) and same_bits(cache.v_SGe, unused_v)  # both wrote the same K/V
     assert got.dtype == q_dtype and torch.isfinite(got).all()
-    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    tol = dict(rtol=1e-5, atol=1e-5) if cache_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    assert torch.allclose(got.float(), want.float(), **tol)
     assert torch.equal(got[-3:], torch.zeros_like(got[-3:]))
 
 
@@ -137,5 +149,66 @@ def test_poison_in_the_packed_weights_is_what_a_rebuild_removes():
     first = owner.packed
     fill_poison(owner.packed)
     weight.copy_(torch.randn(40, 32).bfloat16())
+    storage = owner.packed.data_ptr()
     derived.rebuild([owner])
     assert owner.packed is first and torch.equal(owner.packed, kernels.pack(weight))
+    assert owner.packed.data_ptr() == storage  # written in place: an update needs no second copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packing_into_memory_equals_packing_anew(dtype):
+    g = torch.Generator().manual_seed(1)
+    for packer, weight in ((kernels.pack, torch.randn(3, 130, 32, generator=g)),
+                           (kernels.pack_gate_up, torch.randn(3, 80, 32, generator=g)),
+                           (kernels.pack_down, torch.randn(3, 32, 40, generator=g))):
+        weight = weight.to(dtype)
+        fresh = packer(weight)
+        out = torch.full_like(fresh, float("nan"))  # poison: every element must be written
+        assert packer(weight, out=out) is out and torch.equal(out, fresh)
+
+
+def torch_path(module, *args):
+    """`module(*args)` on torch's ops (modules decide at construction whether to use the kernels)."""
+    assert module.fused
+    module.fused = False
+    try:
+        return module(*args)
+    finally:
+        module.fused = True
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 512), (3, 4, 128), (1, 40), (0, 64)])
+def test_rms_norm_equals_torchs_and_a_row_never_depends_on_the_batch(dtype, shape):
+    from moeshard.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    norm = RMSNorm(lambda size, *blocks, **kw: torch.randn(size, generator=g).to(dtype), "n", shape[-1], 1e-6)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    got, want = norm(x), torch_path(norm, x)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    assert torch.allclose(got.float(), want.float(), **tol)
+    rows = x.reshape(-1, shape[-1])
+    for m in range(rows.shape[0]):
+        assert torch.equal(norm(rows[m : m + 1].clone()), got.reshape(-1, shape[-1])[m : m + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("heads, dim", [(4, 64), (2, 40)])
+def test_rotary_equals_torchs_on_strided_heads(dtype, interleaved, heads, dim):
+    from moeshard.models.config import RopeConfig
+    from moeshard.models.layers import Rotary
+    from moeshard.runtime import derived
+
+    rotary = Rotary(RopeConfig(dim=dim, theta=10000.0, interleaved=interleaved), 64, torch.device("cpu"))
+    derived.rebuild([rotary])
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(6, heads, dim + 8, generator=g).to(dtype)[..., 8:]  # a slice of wider rows, as MLA's q_rope
+    positions = torch.tensor([0, 5, 63, 7, 7, 1])
+    got, want = rotary(x, positions), torch_path(rotary, x, positions)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), **tol)
+    with pytest.raises(RuntimeError, match="position 64 is outside the table"):
+        rotary(x[:1], torch.tensor([64]))

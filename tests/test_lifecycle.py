@@ -237,6 +237,13 @@ def test_mixed_lengths_through_poisoned_cycles_equal_a_fresh_engine(long_context
     check_mixed_cycles(long_context, layout, method, compile, "float32")
 
 
+# Without moeshard.kernels (a CPU without them, MOESHARD_CPU_KERNELS=0) attention gathers each
+# sequence's keys into a padded batch: the padding reads the null block (the negative control below).
+@pytest.mark.parametrize("layout, method", [("1x1", "auto"), ("1x2-ep", "alltoall")])
+def test_mixed_lengths_on_torchs_ops_through_poisoned_cycles(long_context, layout, method, torch_ops):
+    check_mixed_cycles(long_context, layout, method, False, "float32")
+
+
 # bf16 on a CPU with AVX512-BF16 runs moeshard.kernels: prepacked weights (derived tensors) and the
 # attention that reads the paged cache in place. A layout's bf16 sums differ from one rank's, so
 # each layout is compared with a fresh engine of the same layout.
@@ -284,9 +291,10 @@ def check_mixed_cycles(long_context, layout, method, compile, dtype):
 
 
 @pytest.mark.parametrize("layout", ["1x1", "1x2-ep"])
-def test_negative_control_padded_keys_read_an_ordinary_slot(long_context, layout, monkeypatch):
+def test_negative_control_padded_keys_read_an_ordinary_slot(long_context, layout, monkeypatch, torch_ops):
     """With the null block off, padded key positions read slot 0 of the pool, which a poisoned wake
-    filled with garbage: the shorter sequences of a step come back wrong."""
+    filled with garbage: the shorter sequences of a step come back wrong. (The padded path is
+    torch's; moeshard.kernels read only each sequence's own slots.)"""
     monkeypatch.setenv("MOESHARD_UNSAFE_NO_NULL_BLOCK", "1")
     dp = int(layout.split("-")[0].split("x")[1])
     with LLM(long_context[0][0], data_parallel_size=dp, enable_expert_parallel=dp > 1, dtype="float32",

@@ -225,15 +225,17 @@ def print_table(console, rows: list[Row], workload: Workload) -> None:
 
 
 def print_floors(console, floors: list[tuple[str, str, DecodeFloor]]) -> None:
-    table = Table(title="a moeshard decode step against its floor: the bytes it must read (weights, touched experts, "
-                        "K/V) at the read bandwidth measured in this run")
+    table = Table(title="a moeshard decode step against its floors: the bytes it must read (weights, touched experts, "
+                        "K/V) at the read bandwidth, and its multiply-adds at a compute-bound GEMM's rate, both "
+                        "measured in this run")
     for column in ("model", "dtype", "threads", "sequences", "context", "step ms", "weights MB", "K/V MB",
-                   "GB/s", "floor ms", "step / floor"):
+                   "GB/s", "floor ms", "step / floor", "GFLOP", "GEMM GF/s", "compute floor ms", "step / compute floor"):
         table.add_column(column, justify="right")
     for model, dtype, f in floors:
         table.add_row(model, dtype, str(f.threads), str(f.sequences), str(f.context), f"{f.step_ms:.1f}",
                       f"{f.weight_mb:.0f}", f"{f.kv_mb:.1f}", f"{f.bandwidth_gbs:.1f}", f"{f.floor_ms:.1f}",
-                      f"{f.ratio:.2f}")
+                      f"{f.ratio:.2f}", f"{f.gflop:.2f}", f"{f.gemm_gflops:.0f}", f"{f.compute_floor_ms:.1f}",
+                      f"{f.compute_ratio:.2f}")
     console.print(table)
 
 
@@ -324,7 +326,8 @@ def run_bench_e2e(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": asdict(workload), "rows": [asdict(r) for r in rows],
-                       "decode_floors": [{"model": m, "dtype": d, **asdict(f), "floor_ms": f.floor_ms, "ratio": f.ratio}
+                       "decode_floors": [{"model": m, "dtype": d, **asdict(f), "floor_ms": f.floor_ms, "ratio": f.ratio,
+                                          "compute_floor_ms": f.compute_floor_ms, "compute_ratio": f.compute_ratio}
                                          for m, d, f in floors]}, f, indent=1)
     bad = [f"{r.contender} on {r.model} at {r.threads} thread(s), concurrency {r.concurrency}"
            for r in rows if not r.identical and r.dtype == "float32"]

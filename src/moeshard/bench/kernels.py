@@ -1,4 +1,4 @@
-"""`moeshard bench kernels`: moeshard.kernels against torch's bf16 ops on the shapes a decode or
+"""`moeshard bench kernels`: moeshard.kernels against torch's ops (bf16 or fp32) on the shapes a decode or
 prefill step runs, in the same process, alternating, repeated (medians and spread of the ratios).
 
 Weights are cycled over up to `LAYERS` copies (more bytes than the caches hold), as a step reads
@@ -65,26 +65,26 @@ def copies(layer_bytes: int) -> int:
     return max(1, min(LAYERS, 256_000_000 // layer_bytes))
 
 
-def linear_case(rows: int, k: int, n: int, repeats: int) -> Case:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    weights = [torch.randn(n, k, generator=g).bfloat16() for _ in range(copies(n * k * 2))]
+def linear_case(rows: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> Case:
+    g, size = torch.Generator().manual_seed(0), dtype.itemsize
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    weights = [torch.randn(n, k, generator=g).to(dtype) for _ in range(copies(n * k * size))]
     packed = [kernels.pack(w) for w in weights]
     return compare(
-        len(weights), f"linear [{rows}, {k}] × [{k}, {n}]", rows, n * k * 2, 2 * rows * k * n,
+        len(weights), f"linear [{rows}, {k}] × [{k}, {n}]", rows, n * k * size, 2 * rows * k * n,
         lambda: [kernels.linear(x, p, n) for p in packed], lambda: [F.linear(x, w) for w in weights], repeats,
     )
 
 
-def experts_case(rows: int, experts: int, hidden: int, inter: int, top_k: int, repeats: int) -> Case:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, hidden, generator=g).bfloat16()
+def experts_case(rows: int, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, repeats: int) -> Case:
+    g, size = torch.Generator().manual_seed(0), dtype.itemsize
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
     labels = torch.randint(0, experts, (rows,), generator=g).sort().values
     ends = torch.bincount(labels, minlength=experts).cumsum(0).to(torch.int32)
     touched = int((torch.bincount(labels, minlength=experts) > 0).sum())
-    layers = copies(experts * 3 * hidden * inter * 2)
-    w13 = [(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05).bfloat16() for _ in range(layers)]
-    w2 = [(torch.randn(experts, hidden, inter, generator=g) * 0.05).bfloat16() for _ in range(layers)]
+    layers = copies(experts * 3 * hidden * inter * size)
+    w13 = [(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05).to(dtype) for _ in range(layers)]
+    w2 = [(torch.randn(experts, hidden, inter, generator=g) * 0.05).to(dtype) for _ in range(layers)]
     packed = [(kernels.pack_gate_up(a), kernels.pack_down(b)) for a, b in zip(w13, w2)]
 
     def theirs():
@@ -94,7 +94,7 @@ def experts_case(rows: int, experts: int, hidden: int, inter: int, top_k: int, r
 
     return compare(
         layers, f"experts: {rows} rows ({rows // top_k} tokens × top-{top_k}) over {experts} × [{hidden}, {inter}]", rows,
-        touched * 3 * hidden * inter * 2, 2 * rows * 3 * hidden * inter,
+        touched * 3 * hidden * inter * size, 2 * rows * 3 * hidden * inter,
         lambda: [kernels.grouped_swiglu(x, a, b, ends) for a, b in packed], theirs, repeats,
     )
 
@@ -105,11 +105,12 @@ def run_bench_kernels(args) -> int:
         console.print("moeshard: error: this CPU has no AVX512-BF16 (or the kernels did not build): nothing to compare.")
         return 2
     torch.set_num_threads(args.threads)
-    cases = [linear_case(r, 512, 512, args.repeats) for r in (1, 8, 64)]
-    cases += [linear_case(r, 2048, 2048, args.repeats) for r in (1, 256)]
-    cases += [experts_case(r, 32, 512, 256, 4, args.repeats) for r in (16, 64, 256, 1024)]
-    cases += [experts_case(r, 128, 2048, 768, 8, args.repeats) for r in (8, 128, 512)]
-    table = Table(title=f"moeshard.kernels vs torch bf16, {args.threads} thread(s), per layer, layers' weights cycled "
+    dtype = getattr(torch, args.dtype)
+    cases = [linear_case(r, 512, 512, dtype, args.repeats) for r in (1, 8, 64)]
+    cases += [linear_case(r, 2048, 2048, dtype, args.repeats) for r in (1, 256)]
+    cases += [experts_case(r, 32, 512, 256, 4, dtype, args.repeats) for r in (16, 64, 256, 1024)]
+    cases += [experts_case(r, 128, 2048, 768, 8, dtype, args.repeats) for r in (8, 128, 512)]
+    table = Table(title=f"moeshard.kernels vs torch {args.dtype}, {args.threads} thread(s), per layer, layers' weights cycled "
                         "(ratio: torch time / kernel time; median, lowest–highest)")
     for column in ("case", "torch ms", "kernel ms", "ratio", "spread", "kernel GB/s", "kernel GF/s"):
         table.add_column(column, justify="right")

@@ -59,8 +59,12 @@ class RMSNorm(nn.Module):
     def __init__(self, alloc: Alloc, prefix: str, dim: int, eps: float):
         super().__init__()
         self.weight_D, self.eps = alloc((dim,), Block(f"{prefix}.weight", (dim,))), eps
+        # Decided here, not per call: a call into the kernels' checks would break a compiled graph.
+        self.fused = kernels.runs(self.weight_D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dtype == self.weight_D.dtype:
+            return kernels.rms_norm(x, self.weight_D, self.eps)
         x32 = x.float()
         return self.weight_D * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -109,11 +113,14 @@ class Rotary(nn.Module):
     def __init__(self, rope: RopeConfig, max_positions: int, device: torch.device):
         super().__init__()
         self.interleaved = rope.interleaved
+        self.fused = device.type == "cpu" and kernels.built()  # see RMSNorm
         for name, fn in (("cos_Xr", torch.cos), ("sin_Xr", torch.sin)):
             self.register_buffer(name, None, persistent=False)
             derived.register(self, name, functools.partial(rope_table, rope, max_positions, device, fn))
 
     def forward(self, x_THr: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        if self.fused and x_THr.dtype in (torch.bfloat16, torch.float32):
+            return kernels.rotary(x_THr, self.cos_Xr, self.sin_Xr, positions_T, self.interleaved)
         cos = self.cos_Xr[positions_T].unsqueeze(1).to(x_THr.dtype)
         sin = self.sin_Xr[positions_T].unsqueeze(1).to(x_THr.dtype)
         if self.interleaved:  # pairs (x0, x1), (x2, x3), …; the output lists evens, then odds

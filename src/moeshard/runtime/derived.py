@@ -17,25 +17,27 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-_entries: list[tuple[weakref.ref, str, Callable[[], object]]] = []
+_entries: list[tuple[weakref.ref, str, Callable[..., object], bool]] = []
 generation = 0
 
 
-def register(owner: object, attr: str, compute: Callable[[], object]) -> None:
+def register(owner: object, attr: str, compute: Callable[..., object], in_place: bool = False) -> None:
     """Set `owner.attr = compute()` and remember how to compute it again.
 
     The value is a tensor or a dataclass of tensors (and plain fields). `compute` must not hold
-    `owner` (the registry holds owners weakly).
+    `owner` (the registry holds owners weakly). `in_place`: the value is one tensor and
+    `compute(out=t)` writes it into `t`; a rebuild of a tensor that has its memory then needs only
+    `compute`'s scratch, not a second copy (a weight update's peak memory stays small).
     """
     setattr(owner, attr, compute())
-    _entries.append((weakref.ref(owner), attr, compute))
+    _entries.append((weakref.ref(owner), attr, compute, in_place))
 
 
-def live() -> Iterator[tuple[object, str, Callable[[], object]]]:
+def live() -> Iterator[tuple[object, str, Callable[..., object], bool]]:
     global _entries
     _entries = [e for e in _entries if e[0]() is not None]
-    for ref, attr, compute in _entries:
-        yield ref(), attr, compute
+    for ref, attr, compute, in_place in _entries:
+        yield ref(), attr, compute, in_place
 
 
 def tensors_of(value: object) -> list[torch.Tensor]:
@@ -46,7 +48,7 @@ def tensors_of(value: object) -> list[torch.Tensor]:
     return []
 
 
-def entries_of(owners: Iterable[object] | None) -> Iterator[tuple[object, str, Callable[[], object]]]:
+def entries_of(owners: Iterable[object] | None) -> Iterator[tuple[object, str, Callable[..., object], bool]]:
     """Every live entry, or those of `owners` (another engine in the process keeps its own)."""
     ids = None if owners is None else {id(owner) for owner in owners}
     return (entry for entry in live() if ids is None or id(entry[0]) in ids)
@@ -54,15 +56,19 @@ def entries_of(owners: Iterable[object] | None) -> Iterator[tuple[object, str, C
 
 def registered_tensors(owners: Iterable[object] | None = None) -> list[torch.Tensor]:
     """The tensors of every entry (or only of the entries of `owners`)."""
-    return [t for owner, attr, _ in entries_of(owners) for t in tensors_of(getattr(owner, attr))]
+    return [t for owner, attr, *_ in entries_of(owners) for t in tensors_of(getattr(owner, attr))]
 
 
 def rebuild(owners: Iterable[object] | None = None) -> int:
     """Recompute registered tensors in place (same tensor objects, fresh storage): every entry, or
     those of `owners`. Returns the new generation."""
     global generation
-    for owner, attr, compute in entries_of(owners):
-        for current, fresh in zip(tensors_of(getattr(owner, attr)), tensors_of(compute()), strict=True):
+    for owner, attr, compute, in_place in entries_of(owners):
+        value = getattr(owner, attr)
+        if in_place and value.numel() > 0:  # awake (a released tensor is empty until re-created)
+            compute(out=value)
+            continue
+        for current, fresh in zip(tensors_of(value), tensors_of(compute()), strict=True):
             current.data = fresh
     generation += 1
     return generation

@@ -1,0 +1,595 @@
+// GEMMs on x86 CPUs with AVX-512 (bf16 on AVX512-BF16, fp32 on FMA), for weights prepacked once.
+//
+// A packed weight of N outputs and K inputs is [ceil(N/64), K/s, 64, s]: panels of 64 outputs, and
+// within a panel, for each step of s inputs, the step's values for the 64 outputs (four 64-byte
+// vectors). A bf16 step is an input pair (s = 2): `vdpbf16ps` adds x[k]·w[k] + x[k+1]·w[k+1] to 16
+// fp32 accumulators at once; an fp32 step is one input (s = 1, `vfmadd`). Either way no horizontal
+// sums, and a register tile reads its panel as one sequential stream. Each output element is
+// accumulated over its steps in order, whatever the tile, the thread split or the number of rows in
+// the call: a row's result never depends on the rest of the batch.
+//
+// Shape letters: M rows of activations, N outputs, K inputs (P = K/s steps), L local experts,
+// D hidden, I intermediate (padded to a multiple of 32 in packed form).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;     // outputs per vector ("block")
+constexpr int64_t kMaxRows = 6;    // rows per register tile
+constexpr int64_t kMaxBlocks = 4;  // blocks per panel and per register tile: 6 × 4 accumulators
+
+// What the weights' element type T decides: inputs per step, and how one step is accumulated.
+template <typename T>
+struct Step;
+
+template <>
+struct Step<at::BFloat16> {
+  static constexpr int64_t kInputs = 2;
+  using Vec = __m512bh;
+  static Vec weights(const at::BFloat16* w) { return (__m512bh)_mm512_loadu_si512(w); }
+  static Vec inputs(const at::BFloat16* row, int64_t p) {
+    int32_t pair;
+    std::memcpy(&pair, row + 2 * p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+  }
+  static __m512 add(__m512 acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+
+template <>
+struct Step<float> {
+  static constexpr int64_t kInputs = 1;
+  using Vec = __m512;
+  static Vec weights(const float* w) { return _mm512_loadu_ps(w); }
+  static Vec inputs(const float* row, int64_t p) { return _mm512_set1_ps(row[p]); }
+  static __m512 add(__m512 acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+// Elements of one step of a panel.
+template <typename T>
+constexpr int64_t kPanelStep = kMaxBlocks * kLanes * Step<T>::kInputs;
+
+// acc[i][j] = sum over steps of x[i] · w block j, for MB rows and NB blocks.
+// The accumulators are locals, copied out once at the end: kept in registers whether or not the
+// compiler inlines the call.
+template <typename T, int MB, int NB>
+void tile(const T* x, int64_t ldx, const T* w, int64_t P, __m512 (&out)[kMaxRows][kMaxBlocks]) {
+  using S = Step<T>;
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    typename S::Vec wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = S::weights(w + p * kPanelStep<T> + j * kLanes * S::kInputs);
+    for (int i = 0; i < MB; ++i) {
+      const typename S::Vec xv = S::inputs(x + i * ldx, p);
+      for (int j = 0; j < NB; ++j) acc[i][j] = S::add(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i][j] = acc[i][j];
+}
+
+template <typename T>
+using Tile = void (*)(const T*, int64_t, const T*, int64_t, __m512 (&)[kMaxRows][kMaxBlocks]);
+
+// The register tile for mb rows (1…6) and nb blocks (1…4), chosen at run time.
+template <typename T>
+Tile<T> tile_of(int64_t mb, int64_t nb) {
+#define MOESHARD_TILES(M) {&tile<T, M, 1>, &tile<T, M, 2>, &tile<T, M, 3>, &tile<T, M, 4>}
+  static constexpr Tile<T> tiles[kMaxRows][kMaxBlocks] = {
+      MOESHARD_TILES(1), MOESHARD_TILES(2), MOESHARD_TILES(3), MOESHARD_TILES(4), MOESHARD_TILES(5), MOESHARD_TILES(6)};
+#undef MOESHARD_TILES
+  return tiles[mb - 1][nb - 1];
+}
+
+inline void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
+inline void store(at::BFloat16* out, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= kLanes ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u);
+}
+
+// Rows [0, M) times blocks [b0, b1) (b0 a panel's first) of a packed weight with N outputs; out is
+// [M, N] with stride ldo.
+template <typename T, typename Out>
+void gemm_blocks(const T* x, int64_t ldx, int64_t M, const T* w, int64_t P, int64_t N, Out* out, int64_t ldo,
+                 int64_t b0, int64_t b1) {
+  __m512 acc[kMaxRows][kMaxBlocks];
+  for (int64_t b = b0; b < b1; b += kMaxBlocks) {
+    const int64_t nb = std::min(kMaxBlocks, b1 - b);
+    const T* wb = w + b / kMaxBlocks * P * kPanelStep<T>;
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const int64_t mb = std::min(kMaxRows, M - m);
+      tile_of<T>(mb, nb)(x + m * ldx, ldx, wb, P, acc);
+      for (int64_t i = 0; i < mb; ++i)
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t n = (b + j) * kLanes;
+          store(out + (m + i) * ldo + n, acc[i][j], lanes_below(N - n));
+        }
+    }
+  }
+}
+
+// exp for the SwiGLU epilogue: Cody–Waite range reduction and a degree-6 polynomial (~1 ulp in fp32).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// h = silu(gate) * up as the unfused computation in T gives it: in bf16 each of gate, silu(gate)
+// and up is rounded to bf16 (as torch's bf16 ops would store them), in fp32 nothing is.
+template <typename T>
+inline __m512 swiglu_ps(__m512 gate, __m512 up) {
+  constexpr bool kRound = std::is_same_v<T, at::BFloat16>;
+  if constexpr (kRound) gate = round_bf16(gate);
+  __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+  if constexpr (kRound) return _mm512_mul_ps(round_bf16(silu), round_bf16(up));
+  return _mm512_mul_ps(silu, up);
+}
+
+// Rows [0, M) of one expert's gate/up (blocks interleaved: gate block c, then up block c) → h [M, Ip],
+// for intermediate blocks [c0, c1), c0 even (a panel holds two intermediate blocks).
+template <typename T>
+void gate_up_blocks(const T* x, int64_t ldx, int64_t M, const T* w13, int64_t P, T* h, int64_t Ip, int64_t c0,
+                    int64_t c1) {
+  __m512 acc[kMaxRows][kMaxBlocks];
+  for (int64_t c = c0; c < c1; c += 2) {
+    const int64_t pairs = std::min<int64_t>(2, c1 - c);
+    const T* wb = w13 + c / 2 * P * kPanelStep<T>;
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const int64_t mb = std::min(kMaxRows, M - m);
+      tile_of<T>(mb, 2 * pairs)(x + m * ldx, ldx, wb, P, acc);
+      for (int64_t i = 0; i < mb; ++i)
+        for (int64_t j = 0; j < pairs; ++j)
+          store(h + (m + i) * Ip + (c + j) * kLanes, swiglu_ps<T>(acc[i][2 * j], acc[i][2 * j + 1]), __mmask16(0xFFFF));
+    }
+  }
+}
+
+bool is_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat; }
+
+void check_weight(const at::Tensor& w, int dim, const char* name) {
+  TORCH_CHECK((w.scalar_type() == at::kBFloat16 || is_float(w)) && w.device().is_cpu(), name,
+              " must be a bfloat16 or float32 CPU tensor");
+  TORCH_CHECK(w.dim() == dim && w.is_contiguous() && w.size(dim - 2) == kMaxBlocks * kLanes &&
+                  w.size(dim - 1) == (is_float(w) ? 1 : 2),
+              name, " must be packed by moeshard.kernels.pack");
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, int64_t P) {
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x must have the packed weight's dtype");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (is_float(x) || x.stride(0) % 2 == 0),
+              "x must be [M, K] rows (an even row stride in bf16)");
+  TORCH_CHECK(x.size(1) == P * w.size(-1), "x has ", x.size(1), " inputs; the packed weight has ", P * w.size(-1));
+}
+
+// The experts' work is split in chunks of this many blocks (one panel), per expert.
+constexpr int64_t kGrainBlocks = kMaxBlocks;
+
+template <typename T, typename Out>
+void linear_impl(const at::Tensor& x_MK, const at::Tensor& w_BPs, int64_t N, at::Tensor& out) {
+  const int64_t P = w_BPs.size(1), M = x_MK.size(0), blocks = w_BPs.size(0) * kMaxBlocks;
+  const T* x = x_MK.data_ptr<T>();
+  const T* w = w_BPs.data_ptr<T>();
+  Out* o = out.data_ptr<Out>();
+  // Split by whole panels (a tile never straddles two), whatever ranges the threads get.
+  at::parallel_for(0, w_BPs.size(0), 1, [&](int64_t p0, int64_t p1) {
+    gemm_blocks(x, x_MK.stride(0), M, w, P, N, o, N, p0 * kMaxBlocks, std::min(p1 * kMaxBlocks, blocks));
+  });
+}
+
+// x [M, K] · packed weight → [M, N]: fp32 weights give fp32; bf16 weights give bf16, or the fp32
+// accumulator with fp32_out.
+at::Tensor linear(const at::Tensor& x_MK, const at::Tensor& w_BPs, int64_t N, bool fp32_out) {
+  check_weight(w_BPs, 4, "weight");
+  TORCH_CHECK(w_BPs.size(0) * kMaxBlocks * kLanes >= N, "the packed weight has fewer than ", N, " outputs");
+  check_rows(x_MK, w_BPs, w_BPs.size(1));
+  const bool fp32 = is_float(w_BPs) || fp32_out;
+  auto out = at::empty({x_MK.size(0), N}, x_MK.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
+  if (x_MK.size(0) == 0 || N == 0) return out;
+  if (is_float(w_BPs))
+    linear_impl<float, float>(x_MK, w_BPs, N, out);
+  else if (fp32_out)
+    linear_impl<at::BFloat16, float>(x_MK, w_BPs, N, out);
+  else
+    linear_impl<at::BFloat16, at::BFloat16>(x_MK, w_BPs, N, out);
+  return out;
+}
+
+template <typename T>
+void grouped_swiglu_impl(const at::Tensor& x_MD, const at::Tensor& w13, const at::Tensor& w2,
+                         const std::vector<int64_t>& starts, at::Tensor& h, at::Tensor& y) {
+  const int64_t L = w13.size(0), P13 = w13.size(2), Ip = h.size(1), P2 = w2.size(2), D = x_MD.size(1);
+  const T* x = x_MD.data_ptr<T>();
+  const int64_t ldx = x_MD.stride(0);
+  T* hp = h.data_ptr<T>();
+  // Tasks are (expert, chunk of blocks) pairs, so experts with one row each still spread over threads.
+  auto for_each_chunk = [&](int64_t blocks, auto&& body) {
+    const int64_t chunks = (blocks + kGrainBlocks - 1) / kGrainBlocks;
+    at::parallel_for(0, L * chunks, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t l = t / chunks, c = t % chunks;
+        if (starts[l + 1] > starts[l]) body(l, c * kGrainBlocks, std::min(blocks, (c + 1) * kGrainBlocks));
+      }
+    });
+  };
+  const int64_t expert13 = w13.size(1) * P13 * kPanelStep<T>, expert2 = w2.size(1) * P2 * kPanelStep<T>;
+  for_each_chunk(Ip / kLanes, [&](int64_t l, int64_t c0, int64_t c1) {
+    gate_up_blocks(x + starts[l] * ldx, ldx, starts[l + 1] - starts[l], w13.data_ptr<T>() + l * expert13, P13,
+                   hp + starts[l] * Ip, Ip, c0, c1);
+  });
+  for_each_chunk(w2.size(1) * kMaxBlocks, [&](int64_t l, int64_t b0, int64_t b1) {
+    gemm_blocks(hp + starts[l] * Ip, Ip, starts[l + 1] - starts[l], w2.data_ptr<T>() + l * expert2, P2, D,
+                y.data_ptr<T>() + starts[l] * D, D, b0, b1);
+  });
+}
+
+// Rows sorted by local expert: rows [ends[l-1], ends[l]) use expert l. Returns
+// down(silu(gate(x)) * up(x)) for those rows; rows past the last end are zero.
+// w13 is [L, Ip/32, D/s, 64, s] (gate and up blocks of 16 interleaved), w2 is [L, ceil(D/64), Ip/s, 64, s].
+at::Tensor grouped_swiglu(const at::Tensor& x_MD, const at::Tensor& w13, const at::Tensor& w2,
+                          const at::Tensor& group_ends_L) {
+  check_weight(w13, 5, "w13");
+  check_weight(w2, 5, "w2");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "grouped_swiglu: w13 and w2 differ in dtype");
+  const int64_t L = w13.size(0), Ip = w13.size(1) * 2 * kLanes, M = x_MD.size(0), D = x_MD.size(1);
+  check_rows(x_MD, w13, w13.size(2));
+  TORCH_CHECK(w2.size(0) == L && w2.size(2) * w2.size(4) == Ip && w2.size(1) * kMaxBlocks * kLanes >= D,
+              "grouped_swiglu: w2 does not match w13");
+  auto ends = group_ends_L.to(at::kLong).contiguous();
+  TORCH_CHECK(ends.numel() == L, "grouped_swiglu: one group end per local expert");
+  std::vector<int64_t> starts(L + 1, 0);
+  for (int64_t l = 0; l < L; ++l) {
+    starts[l + 1] = ends.data_ptr<int64_t>()[l];
+    TORCH_CHECK(starts[l] <= starts[l + 1], "grouped_swiglu: group ends must not decrease");
+  }
+  TORCH_CHECK(starts[L] <= M, "grouped_swiglu: group ends past the rows");
+  auto h = at::empty({starts[L], Ip}, x_MD.options());
+  auto y = at::empty({M, D}, x_MD.options());
+  if (starts[L] < M) y.narrow(0, starts[L], M - starts[L]).zero_();
+  if (is_float(w13))
+    grouped_swiglu_impl<float>(x_MD, w13, w2, starts, h, y);
+  else
+    grouped_swiglu_impl<at::BFloat16>(x_MD, w13, w2, starts, h, y);
+  return y;
+}
+
+inline __m512 load_ps(const at::BFloat16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+inline __m512 load_ps(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+// Loads 16 elements as fp32; all 16 where the row has them (no mask needed).
+template <bool Full, typename T>
+inline __m512 load_row(const T* p, int64_t left) {
+  return load_ps(p, Full ? __mmask16(0xFFFF) : lanes_below(left));
+}
+
+constexpr int64_t kAhead = 8;  // keys whose rows are prefetched ahead of use
+
+template <typename C>
+inline void prefetch_row(const C* row, int64_t elements, int hint) {
+  for (int64_t byte = 0; byte < elements * int64_t(sizeof(C)); byte += 64) {
+    if (hint == _MM_HINT_T0)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+    else
+      _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T1);
+  }
+}
+
+// One query row of HB heads that share a KV head, over key positions [lo, pos] of one sequence.
+// The K and V rows (C: the cache's type) are converted to fp32 once for the HB heads. DV, EV: head dims in vectors of
+// 16, compile-time where small (then the loads need no mask and the accumulators stay in
+// registers), 0 for any size.
+template <typename Q, typename C, int HB, int DV, int EV>
+inline void attend_row(const Q* const* q_heads, Q* const* out_heads, const C* k, int64_t k_stride, const C* v,
+                       int64_t v_stride, const int64_t* slot, int64_t lo, int64_t pos, int64_t d,
+                       int64_t e, float scale, std::vector<float>& scores) {
+  constexpr bool kFullD = DV > 0, kFullE = EV > 0;
+  const int64_t dv = DV ? DV : (d + kLanes - 1) / kLanes, ev = EV ? EV : (e + kLanes - 1) / kLanes;
+  const int64_t n = pos + 1 - lo;
+  scores.resize(HB * n);
+  __m512 top[HB];
+  for (int b = 0; b < HB; ++b) top[b] = _mm512_set1_ps(-INFINITY);
+  // Scores: the queries converted to fp32 once, each K row once for the HB heads.
+  __m512 q_r[HB][DV ? DV : 1];
+  std::unique_ptr<__m512[]> q_m(DV ? nullptr : new __m512[HB * dv]);
+  auto qv = [&](int b, int64_t c) -> __m512& { return DV ? q_r[b][c] : q_m[b * dv + c]; };
+  for (int b = 0; b < HB; ++b)
+    for (int64_t c = 0; c < dv; ++c) qv(b, c) = load_row<kFullD>(q_heads[b] + c * kLanes, d - c * kLanes);
+  for (int64_t kp = lo; kp < std::min(lo + kAhead, pos + 1); ++kp) prefetch_row(k + slot[kp] * k_stride, d, _MM_HINT_T0);
+  // Rows sit in blocks anywhere in the pool: their loads are prefetched a few keys ahead (and the V
+  // rows during the score pass), or every row's first load waits on memory.
+  for (int64_t kp = lo; kp <= pos; ++kp) {
+    if (kp + kAhead <= pos) prefetch_row(k + slot[kp + kAhead] * k_stride, d, _MM_HINT_T0);
+    prefetch_row(v + slot[kp] * v_stride, e, _MM_HINT_T1);
+    const C* kr = k + slot[kp] * k_stride;
+    __m512 dot[HB];
+    for (int b = 0; b < HB; ++b) dot[b] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dv; ++c) {
+      const __m512 kc = load_row<kFullD>(kr + c * kLanes, d - c * kLanes);
+      for (int b = 0; b < HB; ++b) dot[b] = _mm512_fmadd_ps(qv(b, c), kc, dot[b]);
+    }
+    for (int b = 0; b < HB; ++b) {
+      const float sc = _mm512_reduce_add_ps(dot[b]) * scale;
+      scores[b * n + kp - lo] = sc;
+      top[b] = _mm512_max_ps(top[b], _mm512_set1_ps(sc));
+    }
+  }
+  float inv[HB];
+  for (int b = 0; b < HB; ++b) {
+    float* sb = scores.data() + b * n;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const __mmask16 mask = lanes_below(n - j);
+      const __m512 ex = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sb + j), top[b]));
+      _mm512_mask_storeu_ps(sb + j, mask, ex);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, ex));
+    }
+    inv[b] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  // Values: each V row converted once, added into every head's accumulators.
+  __m512 acc_r[HB][EV ? EV : 1];
+  std::unique_ptr<__m512[]> acc_m(EV ? nullptr : new __m512[HB * ev]);
+  auto acc = [&](int b, int64_t c) -> __m512& { return EV ? acc_r[b][c] : acc_m[b * ev + c]; };
+  for (int b = 0; b < HB; ++b)
+    for (int64_t c = 0; c < ev; ++c) acc(b, c) = _mm512_setzero_ps();
+  for (int64_t kp = lo; kp <= pos; ++kp) {
+    if (kp + kAhead <= pos) prefetch_row(v + slot[kp + kAhead] * v_stride, e, _MM_HINT_T0);
+    const C* vr = v + slot[kp] * v_stride;
+    __m512 p[HB];
+    for (int b = 0; b < HB; ++b) p[b] = _mm512_set1_ps(scores[b * n + kp - lo]);
+    for (int64_t c = 0; c < ev; ++c) {
+      const __m512 vc = load_row<kFullE>(vr + c * kLanes, e - c * kLanes);
+      for (int b = 0; b < HB; ++b) acc(b, c) = _mm512_fmadd_ps(p[b], vc, acc(b, c));
+    }
+  }
+  for (int b = 0; b < HB; ++b)
+    for (int64_t c = 0; c < ev; ++c) {
+      const __m512 o = _mm512_mul_ps(acc(b, c), _mm512_set1_ps(inv[b]));
+      const __mmask16 mask = lanes_below(e - c * kLanes);
+      if constexpr (std::is_same_v<Q, float>)
+        _mm512_mask_storeu_ps(out_heads[b] + c * kLanes, mask, o);
+      else
+        _mm256_mask_storeu_epi16(out_heads[b] + c * kLanes, mask, (__m256i)_mm512_cvtneps_pbh(o));
+    }
+}
+
+// Causal attention of each sequence's new tokens over its cached context, read in place from the
+// paged cache. Sequence i's queries are rows [starts[i], starts[i+1]) at positions
+// lens[i] - (starts[i+1] - starts[i]) onwards; its key position k lives in slot slots[i, k].
+// Each (sequence, KV head) is one task. Scores, softmax and the weighted sum of values are fp32,
+// in key order, the same for any batch.
+template <typename Q, typename C, int DV, int EV>
+void paged_attention_impl(const at::Tensor& q_THd, const at::Tensor& k_SGd, const at::Tensor& v_SGe,
+                          const int64_t* starts, const int64_t* lens, const int64_t* slots, int64_t X, int64_t N,
+                          double scale, int64_t window, at::Tensor& out_THe) {
+  const int64_t H = q_THd.size(1), d = q_THd.size(2), G = k_SGd.size(1), e = v_SGe.size(2), h = H / G;
+  const Q* q = q_THd.data_ptr<Q>();
+  Q* out = out_THe.data_ptr<Q>();
+  const C* k_cache = k_SGd.data_ptr<C>();
+  const C* v_cache = v_SGe.data_ptr<C>();
+  at::parallel_for(0, N * G, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / G, g = t % G, rows = starts[i + 1] - starts[i], first = lens[i] - rows;
+      const C* k = k_cache + g * k_SGd.stride(1);
+      const C* v = v_cache + g * v_SGe.stride(1);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = first + r, lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        const int64_t row = starts[i] + r;
+        for (int64_t hh = 0; hh < h; hh += 2) {
+          const Q* q_heads[2];
+          Q* out_heads[2];
+          for (int b = 0; b < 2 && hh + b < h; ++b) {
+            q_heads[b] = q + row * q_THd.stride(0) + (g * h + hh + b) * q_THd.stride(1);
+            out_heads[b] = out + row * out_THe.stride(0) + (g * h + hh + b) * out_THe.stride(1);
+          }
+          if (hh + 1 < h)
+            attend_row<Q, C, 2, DV, EV>(q_heads, out_heads, k, k_SGd.stride(0), v, v_SGe.stride(0), slots + i * X, lo,
+                                     pos, d, e, float(scale), scores);
+          else
+            attend_row<Q, C, 1, DV, EV>(q_heads, out_heads, k, k_SGd.stride(0), v, v_SGe.stride(0), slots + i * X, lo,
+                                     pos, d, e, float(scale), scores);
+        }
+      }
+    }
+  });
+}
+
+template <typename Q, typename C>
+void paged_attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* starts,
+                              const int64_t* lens, const int64_t* slots, int64_t X, int64_t N, double scale,
+                              int64_t window, at::Tensor& out) {
+  const int64_t d = q.size(2), e = v.size(2);
+  if (d == 64 && e == 64)
+    paged_attention_impl<Q, C, 4, 4>(q, k, v, starts, lens, slots, X, N, scale, window, out);
+  else if (d == 128 && e == 128)
+    paged_attention_impl<Q, C, 8, 8>(q, k, v, starts, lens, slots, X, N, scale, window, out);
+  else
+    paged_attention_impl<Q, C, 0, 0>(q, k, v, starts, lens, slots, X, N, scale, window, out);
+}
+
+at::Tensor paged_attention(const at::Tensor& q_THd, const at::Tensor& k_SGd, const at::Tensor& v_SGe,
+                           const at::Tensor& query_starts, const at::Tensor& seq_lens, const at::Tensor& slots_NX,
+                           double scale, int64_t window) {
+  TORCH_CHECK((k_SGd.scalar_type() == at::kBFloat16 || is_float(k_SGd)) && k_SGd.device().is_cpu() &&
+                  v_SGe.scalar_type() == k_SGd.scalar_type() && v_SGe.device().is_cpu(),
+              "paged_attention: the key and value caches must be both bfloat16 or both float32 CPU tensors");
+  TORCH_CHECK(is_float(q_THd) || q_THd.scalar_type() == k_SGd.scalar_type(),
+              "paged_attention: q must be float32 or the cache's dtype");
+  TORCH_CHECK(q_THd.dim() == 3 && k_SGd.dim() == 3 && v_SGe.dim() == 3 && q_THd.stride(2) == 1 &&
+                  k_SGd.stride(2) == 1 && v_SGe.stride(2) == 1 && q_THd.size(2) == k_SGd.size(2) &&
+                  q_THd.size(1) % k_SGd.size(1) == 0 && k_SGd.size(1) == v_SGe.size(1),
+              "paged_attention: shapes do not match");
+  auto starts = query_starts.to(at::kLong).contiguous(), lens = seq_lens.to(at::kLong).contiguous();
+  auto slots = slots_NX.to(at::kLong).contiguous();
+  const int64_t N = lens.numel(), X = slots.size(1);
+  TORCH_CHECK(starts.numel() == N + 1 && slots.size(0) == N, "paged_attention: one length and slot row per sequence");
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t rows = starts.data_ptr<int64_t>()[i + 1] - starts.data_ptr<int64_t>()[i];
+    TORCH_CHECK(rows >= 0 && rows <= lens.data_ptr<int64_t>()[i] && lens.data_ptr<int64_t>()[i] <= X,
+                "paged_attention: a sequence's queries or length do not fit its slots");
+  }
+  auto out = at::zeros({q_THd.size(0), q_THd.size(1), v_SGe.size(2)}, q_THd.options());
+  if (N == 0) return out;
+  TORCH_CHECK(starts.data_ptr<int64_t>()[N] <= q_THd.size(0), "paged_attention: more queries than rows");
+  const int64_t *st = starts.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
+  if (is_float(k_SGd))
+    paged_attention_dispatch<float, float>(q_THd, k_SGd, v_SGe, st, ln, sl, X, N, scale, window, out);
+  else if (is_float(q_THd))
+    paged_attention_dispatch<float, at::BFloat16>(q_THd, k_SGd, v_SGe, st, ln, sl, X, N, scale, window, out);
+  else
+    paged_attention_dispatch<at::BFloat16, at::BFloat16>(q_THd, k_SGd, v_SGe, st, ln, sl, X, N, scale, window, out);
+  return out;
+}
+
+// The elementwise kernels below replace chains of small torch ops (RMSNorm is eight, rotary twelve,
+// each a dispatch and a new tensor): at decode sizes the chains, not the arithmetic, were the cost.
+
+template <typename T>
+inline __m512 load_as_stored(const float* p, __mmask16 mask) {  // a table value as a T op would see it
+  const __m512 v = _mm512_maskz_loadu_ps(mask, p);
+  return std::is_same_v<T, at::BFloat16> ? round_bf16(v) : v;
+}
+
+// y = weight · T(x / rms(x)) per row, the rms in fp32: torch's `w * (x32 * rsqrt(mean(x32²) + eps)).to(T)`.
+template <typename T>
+void rms_norm_impl(const at::Tensor& x_MD, const at::Tensor& w_D, double eps, at::Tensor& y_MD) {
+  const int64_t M = x_MD.size(0), D = x_MD.size(1), ldx = x_MD.stride(0);
+  const T* x = x_MD.data_ptr<T>();
+  const T* w = w_D.data_ptr<T>();
+  T* y = y_MD.data_ptr<T>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * ldx;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += kLanes) {
+        const __m512 v = load_ps(xr + c, lanes_below(D - c));
+        sum = _mm512_fmadd_ps(v, v, sum);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / float(D) + float(eps)));
+      for (int64_t c = 0; c < D; c += kLanes) {
+        const __mmask16 mask = lanes_below(D - c);
+        __m512 normed = _mm512_mul_ps(load_ps(xr + c, mask), inv);
+        if constexpr (std::is_same_v<T, at::BFloat16>) normed = round_bf16(normed);
+        store(y + m * D + c, _mm512_mul_ps(load_ps(w + c, mask), normed), mask);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_MD, const at::Tensor& w_D, double eps) {
+  TORCH_CHECK(x_MD.dim() == 2 && x_MD.stride(1) == 1 && w_D.dim() == 1 && w_D.is_contiguous() &&
+                  w_D.size(0) == x_MD.size(1) && x_MD.scalar_type() == w_D.scalar_type(),
+              "rms_norm: x must be [M, D] rows and the weight [D], of one dtype");
+  auto y = at::empty({x_MD.size(0), x_MD.size(1)}, x_MD.options());
+  if (is_float(x_MD))
+    rms_norm_impl<float>(x_MD, w_D, eps, y);
+  else
+    rms_norm_impl<at::BFloat16>(x_MD, w_D, eps, y);
+  return y;
+}
+
+// Rotary embedding of x [T, H, r] at positions_T, with fp32 cos/sin tables [X, r] rounded to T as
+// torch's `.to(x.dtype)` would; the products are summed in fp32 and rounded once. Halves: pairs
+// (i, i + r/2); interleaved: pairs (2i, 2i + 1), evens written first, then odds.
+template <typename T>
+void rotary_impl(const at::Tensor& x_THr, const at::Tensor& cos_Xr, const at::Tensor& sin_Xr, const int64_t* pos,
+                 bool interleaved, at::Tensor& y_THr) {
+  const int64_t T_ = x_THr.size(0), H = x_THr.size(1), r = x_THr.size(2), half = r / 2;
+  const T* x = x_THr.data_ptr<T>();
+  T* y = y_THr.data_ptr<T>();
+  const float *cos = cos_Xr.data_ptr<float>(), *sin = sin_Xr.data_ptr<float>();
+  at::parallel_for(0, T_ * H, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t row = t / H, head = t % H;
+      const T* xr = x + row * x_THr.stride(0) + head * x_THr.stride(1);
+      T* yr = y + t * r;
+      const float *c = cos + pos[row] * r, *s = sin + pos[row] * r;
+      if (interleaved) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = float(xr[2 * i]), x2 = float(xr[2 * i + 1]);
+          const float ci = float(T(c[i])), si = float(T(s[i]));
+          yr[i] = T(x1 * ci - x2 * si);
+          yr[half + i] = T(x2 * ci + x1 * si);
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < half; i += kLanes) {
+        const __mmask16 mask = lanes_below(half - i);
+        const __m512 x1 = load_ps(xr + i, mask), x2 = load_ps(xr + half + i, mask);
+        const __m512 c1 = load_as_stored<T>(c + i, mask), s1 = load_as_stored<T>(s + i, mask);
+        const __m512 c2 = load_as_stored<T>(c + half + i, mask), s2 = load_as_stored<T>(s + half + i, mask);
+        store(yr + i, _mm512_fmsub_ps(x1, c1, _mm512_mul_ps(x2, s1)), mask);
+        store(yr + half + i, _mm512_fmadd_ps(x2, c2, _mm512_mul_ps(x1, s2)), mask);
+      }
+    }
+  });
+}
+
+at::Tensor rotary(const at::Tensor& x_THr, const at::Tensor& cos_Xr, const at::Tensor& sin_Xr,
+                  const at::Tensor& positions_T, bool interleaved) {
+  TORCH_CHECK(x_THr.dim() == 3 && x_THr.stride(2) == 1 && x_THr.size(2) % 2 == 0, "rotary: x must be [T, H, r], r even");
+  TORCH_CHECK(is_float(cos_Xr) && is_float(sin_Xr) && cos_Xr.is_contiguous() && sin_Xr.is_contiguous() &&
+                  cos_Xr.sizes() == sin_Xr.sizes() && cos_Xr.size(1) == x_THr.size(2),
+              "rotary: the tables must be float32 [X, r]");
+  auto pos = positions_T.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == x_THr.size(0), "rotary: one position per row");
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < cos_Xr.size(0), "rotary: position ", p[i], " is outside the table");
+  auto y = at::empty({x_THr.size(0), x_THr.size(1), x_THr.size(2)}, x_THr.options());
+  if (is_float(x_THr))
+    rotary_impl<float>(x_THr, cos_Xr, sin_Xr, p, interleaved, y);
+  else
+    rotary_impl<at::BFloat16>(x_THr, cos_Xr, sin_Xr, p, interleaved, y);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(moeshard_cpu, m) {
+  m.def("linear(Tensor x, Tensor weight, int N, bool fp32_out) -> Tensor");
+  m.def("grouped_swiglu(Tensor x, Tensor w13, Tensor w2, Tensor group_ends) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_starts, Tensor seq_lens, "
+        "Tensor slots, float scale, int window) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, Tensor positions, bool interleaved) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moeshard_cpu, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("grouped_swiglu", &grouped_swiglu);
+  m.impl("paged_attention", &paged_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
+}
