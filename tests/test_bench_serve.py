@@ -2,8 +2,11 @@
 small random workload, and reports what it measured (no timing is asserted)."""
 
 import json
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from moeshard.bundled.arithmetic import MODEL_DIR
 
@@ -31,9 +34,61 @@ def test_bench_serve_reports_every_request_at_each_concurrency(tmp_path):
 
 
 def test_bench_serve_against_transformers_serve_agrees_on_greedy_completions(tmp_path):
-    report = bench_serve(tmp_path, "--against", "transformers", "--max-concurrency", "2", "--repeats", "2")
+    # fp32: there every engine's greedy tokens are the same; in bf16 moeshard's kernels round otherwise
+    # than torch's bf16 ops, and the completions drift apart after the first differing token
+    report = bench_serve(tmp_path, "--against", "transformers", "--max-concurrency", "2", "--repeats", "2",
+                         "--dtype", "float32")
     assert sorted((r["server"], r["repetition"], r["completed"]) for r in report["runs"]) == [
         ("moeshard", 0, 4), ("moeshard", 1, 4), ("transformers", 0, 4), ("transformers", 1, 4)]
     assert {row["metric"] for row in report["ratios"]} == {"output tok/s", "median TTFT", "median TPOT"}
-    assert all(row["identical_completions"] == 8 and row["median"] > 0 for row in report["ratios"])
+    assert all(row["identical_completions"] == 8 and row["identical_tokens"] == 1 and row["median"] > 0
+               for row in report["ratios"])
     assert set(report["memory"]) == {"moeshard", "transformers"}
+
+
+def test_vllm_server_command_and_env_without_vllm_installed(monkeypatch):
+    """vLLM's OpenAI server as bench serve starts it: its module (not `vllm serve`), 127.0.0.1, the
+    dtype asked for, moeshard's step budget, and the KV cache moeshard reserves, in bytes, from the
+    flag alone (VLLM_CPU_KVCACHE_SPACE, which would override it, is not passed on)."""
+    from moeshard.bench.servers import server_command, server_env
+
+    monkeypatch.setenv("MOESHARD_VLLM_PYTHON", sys.executable)  # any file: nothing is started
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    command = server_command("vllm", str(MODEL_DIR), 8123, 2, "bfloat16")
+    assert command[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(command[3::2], command[4::2]))
+    # 2 sequences × 32 positions, in 16-token blocks; per token: 4 layers × K and V × 2 heads × 32 dims × 2 bytes
+    assert flags == {"--model": str(MODEL_DIR), "--dtype": "bfloat16", "--host": "127.0.0.1", "--port": "8123",
+                     "--max-num-seqs": "2", "--max-num-batched-tokens": "2048",
+                     "--kv-cache-memory-bytes": str(2 * 32 * 4 * 2 * 2 * 32 * 2), "--seed": "0",
+                     "--uvicorn-log-level": "warning"}
+    for threads, cores in ((1, "0"), (2, "0-1")):
+        env = server_env("vllm", threads)
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == cores and "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+def test_bench_serve_against_vllm_not_installed_fails_before_starting_anything(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "moeshard", "bench", "serve", *SMALL, "--against", "vllm"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MOESHARD_VLLM_PYTHON": str(tmp_path / "missing" / "python")})
+    assert done.returncode != 0
+    assert "vLLM's CPU build is not installed" in done.stdout + done.stderr
+
+
+def test_stop_kills_the_server_and_what_it_left_behind():
+    """A server whose child outlives it on SIGTERM: stop() still ends both, by PID and process group."""
+    from moeshard.bench.servers import process_tree, stop
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                               "subprocess.Popen(['sleep', '60']); time.sleep(60)"], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while len(process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = process_tree(parent.pid)[1]
+    stop(parent)
+    assert parent.returncode is not None
+    time.sleep(0.2)  # for init to reap the orphan
+    try:
+        assert "zombie" in Path(f"/proc/{child}/status").read_text()
+    except FileNotFoundError:
+        pass  # gone

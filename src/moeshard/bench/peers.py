@@ -24,13 +24,14 @@ def vllm_python() -> str:
     return python
 
 
-def vllm_env(threads: int, kv_cache_gib: int = 2) -> dict[str, str]:
-    return {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
+def vllm_env(threads: int, kv_cache_gib: int | None = 2) -> dict[str, str]:
+    """vLLM's CPU settings: its OpenMP threads pinned to cores 0…threads−1, and a KV cache of
+    `kv_cache_gib` GiB (None: whatever `--kv-cache-memory-bytes` says; the variable would override it)."""
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_CPU_KVCACHE_SPACE"}
+    env |= {"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    return env
 
 
 class VllmOffline:

@@ -9,8 +9,10 @@ and E2EL; output tokens are the server's own count (`usage`, asked for with `inc
 Without `--base-url` it starts `moeshard serve` itself; `--against transformers` also starts
 `transformers serve --continuous-batching`, `--against vllm` vLLM's OpenAI server (its CPU build,
 scripts/peers.sh), on the same weights in the same dtype, runs the same workload on both in an
-order that rotates every repetition, checks the greedy completions agree, and reports ratios
-(median and spread over repetitions) and each server's resident memory.
+order that rotates every repetition, reports ratios (median and spread over repetitions), each
+server's resident memory, and how far the greedy completions agree with moeshard's (the share of
+identical tokens, position by position, the completions' text tokenized again with the model's
+tokenizer: exact for the random model, whose every token is one word).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from moeshard.bench.servers import Target, resident_mb, started
+from moeshard.bench.peers import vllm_python
+from moeshard.bench.servers import Target, resident_mb, sigterm_unwinds, started
 
-REQUEST_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 600  # per request, whole stream: a server that stalls fails the request, not the run
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
 
@@ -121,7 +124,11 @@ async def run_workload(target: Target, requests: list[tuple[str, int]], max_conc
 
         async def one(prompt: str, max_tokens: int) -> Outcome:
             async with gate:
-                outcome = await send(client, target, prompt, max_tokens)
+                try:
+                    async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                        outcome = await send(client, target, prompt, max_tokens)
+                except TimeoutError:
+                    outcome = Outcome(error=f"no complete answer within {REQUEST_TIMEOUT_S} s")
             advance()
             return outcome
 
@@ -160,11 +167,11 @@ class Run:
     concurrency: int
     repetition: int
     metrics: dict
-    texts: list[str] = field(repr=False)
+    tokens: list[list[int]] = field(repr=False)  # each completion's text tokenized again
     latencies: dict = field(repr=False)
 
 
-def bench_targets(targets, requests, args, console) -> list[Run]:
+def bench_targets(targets, requests, args, console, encode) -> list[Run]:
     runs = []
     total = args.repeats * len(args.max_concurrency) * len(targets) * (len(requests) + args.num_warmups)
     with Progress(console=console, transient=True) as progress:
@@ -182,7 +189,7 @@ def bench_targets(targets, requests, args, console) -> list[Run]:
                     if failures:
                         console.print(f"{target.name}: {len(failures)} request(s) failed, first: {failures[0]}")
                     runs.append(Run(target.name, c, repetition, summarize(outcomes, duration),
-                                    [o.text for o in outcomes], latencies([o for o in outcomes if o.ok])))
+                                    [encode(o.text) for o in outcomes], latencies([o for o in outcomes if o.ok])))
     return runs
 
 
@@ -203,12 +210,18 @@ def ratios(runs: list[Run], peer: str) -> list[dict]:
         pairs = [(mine, theirs) for mine in runs if mine.server == "moeshard" and mine.concurrency == c
                  for theirs in runs if theirs.server == peer and theirs.concurrency == c
                  and theirs.repetition == mine.repetition]
-        identical = sum(a == b for mine, theirs in pairs for a, b in zip(mine.texts, theirs.texts))
+        # by tokens, not text: detokenizers differ in the spaces between words (vLLM's and moeshard's do)
+        identical = sum(a == b for mine, theirs in pairs for a, b in zip(mine.tokens, theirs.tokens))
+        same, compared = 0, 0  # positions holding the same token, of the longer completion's length
+        for mine, theirs in pairs:
+            for a, b in zip(mine.tokens, theirs.tokens):
+                same, compared = same + sum(x == y for x, y in zip(a, b)), compared + max(len(a), len(b))
         for label, (key, lower_is_better) in RATIOS.items():
             per_rep = [(theirs.metrics[key] / mine.metrics[key]) if lower_is_better
                        else (mine.metrics[key] / theirs.metrics[key]) for mine, theirs in pairs]
             rows.append({"concurrency": c, "metric": label, "median": statistics.median(per_rep),
-                         "low": min(per_rep), "high": max(per_rep), "identical_completions": identical})
+                         "low": min(per_rep), "high": max(per_rep), "identical_completions": identical,
+                         "identical_tokens": same / compared if compared else math.nan})
     return rows
 
 
@@ -228,21 +241,38 @@ def print_tables(console, runs: list[Run], memory: dict, ratio_rows: list[dict],
         for key, fmt in SHOWN:
             table.add_row(key, *(fmt.format(median_of(runs, s, c, key)) for s in servers))
         console.print(table)
-    if memory:
-        table = Table(title="resident memory of each server's process tree (MiB)")
-        for column in ("server", "PSS after the runs", "peak RSS (upper bound)"):
-            table.add_column(column, justify="right")
-        for server, mb in memory.items():
-            table.add_row(server, f"{mb['rss_mb']:,.0f}", f"{mb['peak_rss_mb']:,.0f}")
-        console.print(table)
-    if ratio_rows:
-        table = Table(title=f"moeshard against {args.against} (above 1: moeshard better; median, lowest–highest)")
-        for column in ("concurrency", "metric", "ratio", "spread", "identical completions"):
-            table.add_column(column, justify="right")
-        for row in ratio_rows:
-            table.add_row(str(row["concurrency"]), row["metric"], f"{row['median']:.2f}",
-                          f"{row['low']:.2f}–{row['high']:.2f}", f"{row['identical_completions']}/{args.repeats * args.num_prompts}")
-        console.print(table)
+        console.print(summary_table(runs, memory, [r for r in ratio_rows if r["concurrency"] == c], c, args))
+
+
+def summary_table(runs: list[Run], memory: dict, ratio_rows: list[dict], c: int, args) -> Table:
+    """One row per server: what the issue asks of moeshard, and (for a peer) moeshard / peer, each
+    ratio above 1 where moeshard is better; memory is measured once, after every repetition."""
+    threads = f"{args.threads} thread(s) each" if memory else "a running server"
+    table = Table(title=f"concurrency {c}, {threads}: median of {args.repeats} repetition(s) "
+                        "(ratios: moeshard / peer, above 1 moeshard better; lowest–highest)")
+    columns = ["server", "output tok/s", "median TTFT ms", "median TPOT ms", "PSS MiB", "peak RSS MiB"]
+    peers = bool(ratio_rows)
+    if peers:
+        columns += ["output tok/s ×", "TTFT ×", "TPOT ×", "memory ×", "same tokens", "same completions"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    by_metric = {row["metric"]: row for row in ratio_rows}
+    for server in dict.fromkeys(r.server for r in runs):
+        mem = memory.get(server, {})
+        cells = [server, f"{median_of(runs, server, c, 'output_throughput'):.1f}",
+                 f"{median_of(runs, server, c, 'median_ttft_ms'):.1f}",
+                 f"{median_of(runs, server, c, 'median_tpot_ms'):.1f}",
+                 f"{mem['rss_mb']:,.0f}" if mem else "–", f"{mem['peak_rss_mb']:,.0f}" if mem else "–"]
+        if peers and server == "moeshard":
+            cells += ["1"] * 4 + ["", ""]
+        elif peers:
+            cells += [f"{row['median']:.2f} ({row['low']:.2f}–{row['high']:.2f})" for row in by_metric.values()]
+            cells.append(f"{memory[server]['rss_mb'] / memory['moeshard']['rss_mb']:.2f}" if memory else "–")
+            any_row = next(iter(by_metric.values()))
+            cells += [f"{any_row['identical_tokens']:.1%}",
+                      f"{any_row['identical_completions']}/{args.repeats * args.num_prompts}"]
+        table.add_row(*cells)
+    return table
 
 
 def plot(runs: list[Run], path: str) -> None:
@@ -277,17 +307,21 @@ def plot(runs: list[Run], path: str) -> None:
 def run_bench_serve(args) -> int:
     from tokenizers import Tokenizer
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    if args.against == "vllm" and not args.base_url:
+        vllm_python()  # fails now, with its one sentence, rather than after moeshard serve has started
     dataset = RandomDataset(args.num_prompts, args.random_input_len, args.random_output_len,
                             args.random_range_ratio, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or random_model(Path(tmp) / "model", getattr(torch, args.dtype))
-        requests = dataset.make(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))
+        tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        requests = dataset.make(tokenizer)
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
         if args.base_url:
             targets, memory = [url_target(args.base_url)], {}
-            runs = bench_targets(targets, requests, args, console)
+            runs = bench_targets(targets, requests, args, console, encode)
         else:
-            runs, memory = bench_started(model_dir, requests, args, console, Path(tmp))
+            runs, memory = bench_started(model_dir, requests, args, console, Path(tmp), encode)
     ratio_rows = ratios(runs, args.against) if args.against else []
     print_tables(console, runs, memory, ratio_rows, args)
     if args.json:
@@ -305,13 +339,18 @@ def run_bench_serve(args) -> int:
     return 0
 
 
-def bench_started(model_dir: str, requests, args, console, log_dir: Path) -> tuple[list[Run], dict]:
+def bench_started(model_dir: str, requests, args, console, log_dir: Path, encode) -> tuple[list[Run], dict]:
+    """One long-lived server per contender for the whole run, each stopped by its PID however the run ends."""
     kinds = ["moeshard"] + ([args.against] if args.against else [])
-    with ExitStack() as servers:
-        targets = [servers.enter_context(started(kind, model_dir, args.threads, max(args.max_concurrency), log_dir,
-                                                 dtype=args.dtype))
-                   for kind in kinds]
-        runs = bench_targets(targets, requests, args, console)
+    with sigterm_unwinds(), ExitStack() as servers:
+        targets = []
+        for kind in kinds:
+            start = time.perf_counter()
+            with console.status(f"starting {kind} serve ({args.threads} thread(s), {args.dtype})"):
+                targets.append(servers.enter_context(started(kind, model_dir, args.threads, max(args.max_concurrency),
+                                                             log_dir, dtype=args.dtype)))
+            console.print(f"{kind} serve: healthy after {time.perf_counter() - start:.0f} s (PID {targets[-1].pid})")
+        runs = bench_targets(targets, requests, args, console, encode)
         return runs, {t.name: measure_memory(t) for t in targets}
 
 

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,8 @@ from moeshard.bench.peers import vllm_env, vllm_python
 START_TIMEOUT_S = 600
 STOP_GRACE_S = 20
 KV_BLOCK_SIZE = 16  # moeshard serve's block size (LLM's default)
+MAX_NUM_BATCHED_TOKENS = 2048  # moeshard serve's default step budget; vLLM gets the same
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
@@ -82,24 +85,50 @@ def resident_mb(root: int, key: str = "Pss", source: str = "smaps_rollup") -> fl
     return total_kb / 1024
 
 
+def model_config(model_dir: str) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def kv_cache_blocks(model_dir: str, max_num_seqs: int) -> int:
+    """The KV blocks moeshard serve reserves: `max_num_seqs` full contexts in 16-token blocks."""
+    return -(-max_num_seqs * model_config(model_dir)["max_position_embeddings"] // KV_BLOCK_SIZE)
+
+
+def kv_cache_bytes(model_dir: str, max_num_seqs: int, dtype: str) -> int:
+    """Those blocks in bytes (K and V of every layer), for a peer that is sized in bytes."""
+    config = model_config(model_dir)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if dtype == "auto":
+        dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+    itemsize = DTYPE_BYTES[dtype]
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * itemsize
+    return kv_cache_blocks(model_dir, max_num_seqs) * KV_BLOCK_SIZE * per_token
+
+
 def server_command(
     kind: str, model_dir: str, port: int, max_num_seqs: int, dtype: str, extra: tuple[str, ...] = ()
 ) -> list[str]:
     if kind == "moeshard":
         return [sys.executable, "-m", "moeshard", "serve", "--model", model_dir, "--host", "127.0.0.1",
                 "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *extra]
+    # Left alone, each peer sizes its KV cache from free memory (transformers serve held ~13 GiB here,
+    # even for the bundled model; vLLM wants 90 % of the RAM free): each gets the cache moeshard reserves.
     if kind == "vllm":  # `vllm serve` itself fails on the CPU package's name; the module runs
         return [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
                 "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
-                "--disable-log-requests", "--uvicorn-log-level", "warning"]
-    # Left alone, transformers serve sizes its cache from free memory (~13 GiB here, even for the bundled
-    # model); it gets the cache moeshard reserves: `max_num_seqs` full contexts in 16-token blocks.
-    context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+                "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+                "--kv-cache-memory-bytes", str(kv_cache_bytes(model_dir, max_num_seqs, dtype)),
+                "--seed", "0", "--uvicorn-log-level", "warning"]
     transformers_cli = Path(sys.executable).with_name("transformers")
     return [str(transformers_cli), "serve", model_dir, "--continuous-batching", "--device", "cpu",
             "--dtype", dtype, "--cb-block-size", str(KV_BLOCK_SIZE),
-            "--cb-num-blocks", str(-(-max_num_seqs * context // KV_BLOCK_SIZE)),
+            "--cb-num-blocks", str(kv_cache_blocks(model_dir, max_num_seqs)),
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+
+
+def server_env(kind: str, threads: int) -> dict[str, str]:
+    # vLLM's KV cache is sized by --kv-cache-memory-bytes, which VLLM_CPU_KVCACHE_SPACE would override
+    return vllm_env(threads, kv_cache_gib=None) if kind == "vllm" else {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 @contextmanager
@@ -111,10 +140,10 @@ def started(
     ends (moeshard with the `extra` arguments)."""
     port = free_port()
     log_path = log_dir / f"{kind}-serve.log"
-    env = vllm_env(threads) if kind == "vllm" else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    command, env = server_command(kind, model_dir, port, max_num_seqs, dtype, extra), server_env(kind, threads)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(kind, model_dir, port, max_num_seqs, dtype, extra), stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # its own session: a Ctrl-C in the terminal reaches only us, and we stop it (and its group) below
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, proc, log_path, kind)
@@ -140,15 +169,23 @@ def wait_healthy(base: str, proc: subprocess.Popen, log_path: Path, kind: str) -
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (each server shuts down cleanly on it), then SIGKILL to whatever of its tree is left."""
-    tree = process_tree(proc.pid)
-    proc.send_signal(signal.SIGTERM)
+    """SIGTERM (each server shuts down cleanly on it), then SIGKILL to whatever of its tree and its
+    process group (vLLM's engine core, multiprocessing helpers) is left — the kill even when a second
+    Ctrl-C cuts the grace period short."""
+    children = process_tree(proc.pid)[1:]  # now: once the server exits they are no longer its children
     try:
+        proc.send_signal(signal.SIGTERM)
         proc.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
-    kill(tree)
-    proc.wait()
+    finally:
+        proc.kill()  # no-op once it has exited (and been reaped)
+        proc.wait()
+        kill(children)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session, so its group's id is its PID
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def kill(pids: list[int]) -> None:
@@ -157,3 +194,18 @@ def kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM (`timeout`, a CI runner, `kill`) raises SystemExit like Ctrl-C
+    raises KeyboardInterrupt, so the `finally`s that stop the servers run; Python's default would
+    exit at once and leave them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
