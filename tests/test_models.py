@@ -23,10 +23,11 @@ def ranks1():
         yield pool
 
 
-def check(request: hf.Request, pool) -> None:
-    results = hf.verify_hf(request, pool)
-    assert hf.passed(results), [r.__dict__ for r in results]
-    assert len(results) == request.steps + 1
+def check(request: hf.Request, pool) -> hf.Comparison:
+    comparison = hf.verify_hf(request, pool)
+    assert comparison.passed, comparison
+    assert len(comparison.steps) == request.steps + 1
+    return comparison
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -73,9 +74,8 @@ def test_comparison_can_fail(tiny, ranks1):
     ours = hf.Request(tiny["qwen3_moe"], Layout(), steps=2)
     other = hf.Request(tiny["qwen3_moe_tied"], Layout(), steps=2)
     mine = {i: r for rank in ranks1.run(hf.rank_run, ours) for i, r in rank.items()}
-    reference = hf.reference_run(other, hf.prompts_for(ours, 101))
-    results = hf.compare(mine, reference, ours.steps)
-    assert not hf.passed(results) and results[0].max_abs_diff > 1.0
+    comparison = hf.compare_with_transformers(ours, mine, other.model)
+    assert not comparison.passed and comparison.steps[0].max_abs_diff > 1.0
 
 
 def restack(src, dst):
@@ -142,3 +142,38 @@ def test_tiny_routers_are_decisive(tiny, variant):
     with torch.no_grad():
         model(torch.randint(0, 101, (1, 64), generator=torch.Generator().manual_seed(0)))
     assert top1 and min(top1) > 0.5, top1
+
+
+BF16_VARIANTS = ["qwen3_moe", "qwen2_moe", "mixtral_top2", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("layout", ["1x1", "1x2-ep", "2x1-ep"])
+@pytest.mark.parametrize("variant", BF16_VARIANTS)
+def test_bf16_within_tolerance_of_transformers(tiny, ranks1, ranks2, variant, layout):
+    layout = Layout.parse(layout)
+    pool = ranks1 if layout.world_size == 1 else ranks2
+    comparison = check(hf.Request(tiny[variant], layout, steps=3, dtype="bfloat16"), pool)
+    assert comparison.tolerance == hf.BF16_TOLERANCE  # transformers' own bf16 rounding did not widen it
+
+
+def swapped_experts(src: str, dst, layer: int = 2) -> str:
+    """`src` with experts 0 and 1 of one layer exchanged: serving a neighbour's expert, as a wrong
+    expert map or packing would."""
+    tensors = load_file(f"{src}/model.safetensors")
+    for name in [n for n in tensors if n.startswith(f"model.layers.{layer}.") and ".experts.0." in n]:
+        twin = name.replace(".experts.0.", ".experts.1.")
+        tensors[name], tensors[twin] = tensors[twin], tensors[name]
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(open(f"{src}/config.json").read())
+    return str(dst)
+
+
+@pytest.mark.parametrize("variant", BF16_VARIANTS)
+def test_bf16_tolerance_catches_a_swapped_expert(tiny, ranks1, tmp_path, variant):
+    """Negative control: moeshard serving one layer's experts 0 and 1 swapped fails against
+    transformers on the intact checkpoint, though a quarter of the positions may be off."""
+    request = hf.Request(swapped_experts(tiny[variant], tmp_path / "swapped"), Layout(), steps=3, dtype="bfloat16")
+    ours = {i: r for rank in ranks1.run(hf.rank_run, request) for i, r in rank.items()}
+    comparison = hf.compare_with_transformers(request, ours, tiny[variant])
+    assert not comparison.passed, comparison

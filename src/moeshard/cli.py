@@ -61,24 +61,41 @@ def verify_hf(args: argparse.Namespace) -> int:
 
     layout = Layout(tp=args.tp, dp=args.dp, ep=args.ep, sp=args.sp)
     backend = args.compile_backend if args.compile else None
-    request = hf.Request(args.model, layout, args.moe_comm, backend, tuple(args.prompt_lengths), args.steps, args.seed)
+    lengths = tuple(args.prompt_lengths) if args.prompt_lengths else None
+    request = hf.Request(args.model, layout, args.moe_comm, backend, lengths, args.steps, args.seed, args.dtype)
     console = report.console(quiet=not is_reporting_rank())
-    with console.status(f"verify hf: {layout.label()} method={args.moe_comm} {'compiled' if backend else 'eager'}"):
-        results = hf.verify_hf(request)
-    table = Table(title=f"{args.model} on {layout.label()}, method {args.moe_comm}, {'compiled (' + backend + ')' if backend else 'eager'}: vs. transformers (fp32)")
-    for column in ("step", "max |Δlogit|", "greedy tokens"):
+    how = f"compiled ({backend})" if backend else "eager"
+    with console.status(f"verify hf: {layout.label()} method={args.moe_comm} {how} {args.dtype}"):
+        comparison = hf.verify_hf(request)
+    exact = args.dtype == "float32"
+    table = Table(title=f"{args.model} on {layout.label()}, method {args.moe_comm}, {how}: vs. transformers ({args.dtype})")
+    for column in ("step", "max |Δlogit|", "within tolerance", "greedy tokens"):
         table.add_column(column, justify="right")
-    for r in results:
-        tokens = "—" if r.step == args.steps else ("same" if r.tokens_match else "[bold red]differ[/]")
-        diff = f"{r.max_abs_diff:.2e}" if r.max_abs_diff <= hf.TOLERANCE else f"[bold red]{r.max_abs_diff:.2e}[/]"
-        table.add_row("prefill" if r.step == 0 else f"decode {r.step}", diff, tokens)
+    for r in comparison.steps:
+        if r.step == args.steps:
+            tokens = "—"
+        elif exact:
+            tokens = "same" if r.tokens_match else "[bold red]differ[/]"
+        else:  # teacher-forced: whether transformers would have chosen moeshard's token
+            tokens = f"{r.tokens_agreeing}/{len(request.prompt_lengths)} agree"
+        diff = f"{r.max_abs_diff:.2e}"
+        if exact and r.max_abs_diff > hf.TOLERANCE:  # in bf16 a routing near-tie moves a few positions legitimately
+            diff = f"[bold red]{diff}[/]"
+        table.add_row("prefill" if r.step == 0 else f"decode {r.step}", diff, f"{r.within}/{r.positions}", tokens)
     console.print(table)
-    ok = hf.passed(results)
-    console.print(("[green]PASS[/]" if ok else "[bold red]FAIL[/]") + f" (tolerance {hf.TOLERANCE:g}, greedy tokens identical)")
+    if exact:
+        rule = f"tolerance {hf.TOLERANCE:g} on every logit, greedy tokens identical"
+    else:
+        rule = (
+            f"{hf.BF16_WITHIN:.0%} of the prefill's and of the decode steps' positions within "
+            f"{comparison.tolerance:.3g}·max|logit|: 2^-4, or twice transformers' own bf16 rounding "
+            f"({comparison.rounding:.3g}) if more; greedy tokens agree {comparison.token_agreement:.0%}"
+        )
+    console.print(("[green]PASS[/]" if comparison.passed else "[bold red]FAIL[/]") + f" ({rule})")
     if args.json and is_reporting_rank():
         with open(args.json, "w") as f:
-            json.dump(hf.to_json(request, results), f, indent=1)
-    return 0 if ok else 1
+            json.dump(hf.to_json(request, comparison), f, indent=1)
+    return 0 if comparison.passed else 1
 
 
 def add_dtype(parser: argparse.ArgumentParser) -> None:
@@ -249,9 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     vhf.add_argument("--moe-comm", default="auto", choices=("auto", "allgather", "alltoall", "mc2", "fused_mc2"))
     vhf.add_argument("--compile", action="store_true", help="compile the model once (dynamic shapes, no guards)")
     vhf.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager traces fastest)")
-    vhf.add_argument("--prompt-lengths", type=int_list, default=[7, 13, 3, 10])
+    vhf.add_argument("--prompt-lengths", type=int_list, default=None, help="default: 7,13,3,10; in bf16, 16 prompts")
     vhf.add_argument("--steps", type=int, default=8, help="greedy decode steps after the prefill")
     vhf.add_argument("--seed", type=int, default=0)
+    vhf.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"),
+        help="float32: the exact proof (the default, whatever the checkpoint's dtype); bfloat16: within bf16's tolerance",
+    )
     vhf.add_argument("--json", metavar="PATH")
     vhf.set_defaults(run=verify_hf)
 
