@@ -92,3 +92,23 @@ def test_stop_kills_the_server_and_what_it_left_behind():
         assert "zombie" in Path(f"/proc/{child}/status").read_text()
     except FileNotFoundError:
         pass  # gone
+
+
+def test_bench_serve_prefix_dataset_with_and_without_caching(tmp_path):
+    """A shared 64-token prefix: moeshard serve finds it cached, its /metrics count the same hit rate
+    as the responses' usage, and the completions equal those of a server without prefix caching."""
+    out = tmp_path / "prefix.json"
+    done = subprocess.run([sys.executable, "-m", "moeshard", "bench", "serve", "--dataset", "prefix", "--prefix-len",
+                           "64", "--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "4",
+                           "--num-warmups", "1", "--max-concurrency", "3", "--repeats", "1",
+                           "--against", "moeshard-no-cache", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    runs = {r["server"]: r for r in report["runs"]}
+    cached, uncached = runs["moeshard"], runs["moeshard-no-cache"]
+    # the warm-up request cached the prefix's 4 full blocks: every request finds at least those
+    assert cached["prefix_hit_rate"] >= 64 / (64 + 15) - 1e-9  # suffixes of 1 to 15 tokens
+    assert cached["prefix_hit_rate"] == cached["metrics_prefix_hit_rate"]
+    assert uncached["prefix_hit_rate"] == uncached["metrics_prefix_hit_rate"] == 0
+    assert all(row["identical_completions"] == 6 for row in report["ratios"])

@@ -172,10 +172,16 @@ MIXED_LENGTHS = [1, 300, 7, 64, 2, 151, 33, 17, 250, 5, 90, 12]
 MIXED_GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
+REPEATED_LENGTHS = [20, 35, 50, 27]  # together ~19 of the 39 blocks: they stay cached from one run to the next
+
+
 def mixed_ids(llm) -> list[list[int]]:
+    """The mixed lengths, between two runs of a few shorter prompts: those that open a run find in
+    the prefix cache the blocks the previous run closed with."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in MIXED_LENGTHS]
-    return [o.token_ids for o in llm.generate(prompts, MIXED_GREEDY)]
+    repeated = [torch.randint(0, 101, (n,), generator=g).tolist() for n in REPEATED_LENGTHS]
+    return [o.token_ids for batch in (repeated, prompts, repeated) for o in llm.generate(batch, MIXED_GREEDY)]
 
 
 def two_checkpoints(root, dtype: str):
@@ -204,8 +210,11 @@ def long_context_bf16(tmp_path_factory):
 
 
 def mixed_cycles(llm, long_context) -> list[bool]:
-    """Poisoned sleep / wake / update / reload cycles; whether each run's outputs equal a fresh
-    engine's with the same weights. Ends on the start-up weights."""
+    """Poisoned sleep / wake / update / reload cycles, then an update and a reload while awake;
+    whether each run's outputs equal a fresh engine's with the same weights. Every run repeats the
+    prompts of the run before, so the prefix cache holds their blocks: after an update while awake
+    only the weights' version in their keys keeps them from being served. Ends on the start-up
+    weights."""
     (_, start_ids), (update, update_ids) = long_context
     equal = [mixed_ids(llm) == start_ids]
     llm.sleep(level=2)
@@ -221,6 +230,12 @@ def mixed_cycles(llm, long_context) -> list[bool]:
     llm.reload_weights()
     llm.wake_up(["kv_cache"], poison=True)
     equal.append(mixed_ids(llm) == start_ids)
+    hits = llm.stats().prefix_cache_hits
+    llm.update_weights_from_disk(update)
+    equal.append(mixed_ids(llm) == update_ids)
+    llm.reload_weights()
+    equal.append(mixed_ids(llm) == start_ids)
+    assert llm.stats().prefix_cache_hits > hits  # repeated prompts found blocks of their own version
     return equal
 
 
@@ -283,7 +298,7 @@ def check_mixed_cycles(long_context, layout, method, compile, dtype):
         moe_comm=method, compile=compile, dtype=dtype, **MIXED_ENGINE,
     ) as llm:
         start = llm.state_digest()
-        assert mixed_cycles(llm, long_context) == [True] * 4
+        assert mixed_cycles(llm, long_context) == [True] * 6
         # The poison (NaN, ±Inf, huge, in range; ids out of range) is gone from every weight and
         # derived tensor, padding rows included: all of it was rewritten before anything read it.
         assert llm.state_digest() == start
@@ -300,3 +315,14 @@ def test_negative_control_padded_keys_read_an_ordinary_slot(long_context, layout
     with LLM(long_context[0][0], data_parallel_size=dp, enable_expert_parallel=dp > 1, dtype="float32",
              **MIXED_ENGINE) as llm:
         assert not all(mixed_cycles(llm, long_context)[1:])  # the runs after a poisoned wake
+
+
+@pytest.mark.parametrize("layout, method", [("1x1", "auto"), ("1x2-ep", "alltoall")])
+def test_negative_control_prefix_keys_without_the_weights_version(long_context, layout, method, monkeypatch):
+    """With the version left out of the prefix cache's keys, an update while awake leaves the old
+    weights' blocks matchable: the repeated prompts are served stale K/V, without an error."""
+    monkeypatch.setenv("MOESHARD_UNSAFE_PREFIX_KEY_NO_VERSION", "1")
+    dp = int(layout.split("-")[0].split("x")[1])
+    with LLM(long_context[0][0], data_parallel_size=dp, enable_expert_parallel=dp > 1, moe_comm=method,
+             dtype="float32", **MIXED_ENGINE) as llm:
+        assert mixed_cycles(llm, long_context)[4:] != [True, True]  # the runs after an update while awake

@@ -49,7 +49,9 @@ class Served:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    served = Served(tmp_path_factory.mktemp("serve"), ["--dp", "2", "--ep", "--enable-sleep-mode", "--api-key", KEY], "1x2-ep")
+    # blocks of 4 tokens: the arithmetic prompts (~9 tokens) fill two, so repeated prompts hit the prefix cache
+    served = Served(tmp_path_factory.mktemp("serve"), ["--dp", "2", "--ep", "--enable-sleep-mode", "--api-key", KEY,
+                                                       "--block-size", "4"], "1x2-ep")
     yield served
     served.stop()
 
@@ -179,6 +181,10 @@ def test_metrics_count_requests_and_disconnects_free_the_cache(server):
     assert grew("moeshard:request_success_total", finished_reason="stop") == 3
     assert grew("moeshard:prompt_tokens_total") == sum(o.usage.prompt_tokens for o in outs)
     assert grew("moeshard:generation_tokens_total") == sum(o.usage.completion_tokens for o in outs)
+    # earlier tests sent these prompts: their blocks are cached, and usage and /metrics count the same hits
+    cached = sum(o.usage.prompt_tokens_details.cached_tokens for o in outs)
+    assert 0 < cached == grew("moeshard:prefix_cache_hits_total")
+    assert grew("moeshard:prefix_cache_queries_total") == sum(o.usage.prompt_tokens for o in outs)
     assert grew("moeshard:time_to_first_token_seconds_count") == 3
     assert grew("moeshard:e2e_request_latency_seconds_count") == 3
     assert grew("moeshard:inter_token_latency_seconds_count") == sum(o.usage.completion_tokens - 1 for o in outs)
@@ -318,6 +324,12 @@ def test_rl_cycle_over_http(server, reference, tmp_path):
         refused = h.post("/update_weights_from_disk", json={"model_path": str(wrong)})
         assert refused.status_code == 400 and "mlp.gate.weight" in refused.json()["error"]["message"]
         assert texts() == want
+        assert h.post("/reload_weights").status_code == 200
+        assert texts() == original
+        # awake, no reset: the repeated prompts' cached blocks carry the old weights' version
+        assert h.post("/update_weights_from_disk", json={"model_path": str(perturbed)}).status_code == 200
+        assert texts() == want
+        assert h.post("/reset_prefix_cache").json() == {"success": True}
         assert h.post("/reload_weights").status_code == 200
         assert texts() == original
 

@@ -325,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-seqs", type=int, default=64, help="per DP group")
     srv.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per DP group and step")
     srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (the prefix cache reuses whole blocks)")
+    srv.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV blocks of prompts seen before, keyed by the weights' version (on by default)",
+    )
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument(
         "--max-request-bytes", type=int, default=None,
@@ -352,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     rlp.add_argument("--compile", action="store_true")
     rlp.add_argument("--compile-backend", default="inductor")
     rlp.add_argument("--seed", type=int, default=rl_defaults.seed)
+    rlp.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=rl_defaults.prefix_caching,
+                     help="the G samples of a problem share its prompt's KV blocks")
     rlp.add_argument(
         "--negative-control", action="store_true",
         help="leave the derived tensors as the poisoned wake made them: the run must stop at the first step after a wake",
@@ -412,8 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     bsrv = bench_what.add_parser("serve", help="a serving benchmark client (vllm bench serve's shape), optionally against transformers serve")
     bsrv.add_argument("--base-url", default=None, help="benchmark a running server instead of starting moeshard serve")
     bsrv.add_argument("--model", default=None, metavar="DIR", help="weights and tokenizer (default: bench e2e's random Qwen3-MoE, made for the run)")
-    bsrv.add_argument("--against", choices=("transformers", "vllm"), default=None,
-                      help="also start transformers serve --continuous-batching, or vLLM's OpenAI server (scripts/peers.sh)")
+    bsrv.add_argument("--against", default=None,
+                      help="comma-separated servers to start beside moeshard serve: transformers (serve --continuous-batching), "
+                           "vllm (its OpenAI server, scripts/peers.sh), moeshard-no-cache (without prefix caching)")
+    bsrv.add_argument("--dataset", choices=("random", "prefix"), default="random",
+                      help="prefix: every prompt starts with one shared --prefix-len tokens")
+    bsrv.add_argument("--prefix-len", type=int, default=1024)
     bsrv.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="the random model is written, and every server started here serves it, in this dtype")
     bsrv.add_argument("--num-prompts", type=int, default=64)

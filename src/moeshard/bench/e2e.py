@@ -14,6 +14,10 @@ produce moeshard's tokens, request for request (a difference fails the run); in 
 round differently and greedy paths drift apart, so the share of tokens equal to moeshard's, position
 by position, is reported.
 
+Every run of moeshard and of vLLM starts with an empty prefix cache: the workload repeats its
+prompts across runs, and a cached prompt would skip its prefill (`bench serve --dataset prefix`
+measures that).
+
 Static batching generates each batch to its longest output (the tail tokens are wasted work, as in
 a real static server); only the tokens each request asked for count as useful.
 """
@@ -59,9 +63,12 @@ LARGER_QWEN3_MOE = MODEL_SHAPES["small"]
 PAD = 0
 
 
-def larger_model(directory: str, shape: str = "small", dtype: torch.dtype = torch.float32) -> str:
-    """A random Qwen3-MoE of `shape` (MODEL_SHAPES), stored in `dtype`."""
-    config = transformers.Qwen3MoeConfig(**MODEL_SHAPES[shape])
+def larger_model(
+    directory: str, shape: str = "small", dtype: torch.dtype = torch.float32, max_positions: int | None = None
+) -> str:
+    """A random Qwen3-MoE of `shape` (MODEL_SHAPES), stored in `dtype`; `max_positions` overrides its context."""
+    config = transformers.Qwen3MoeConfig(**{**MODEL_SHAPES[shape], **({"max_position_embeddings": max_positions}
+                                                                        if max_positions else {})})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     spread_init(model, seed=0)
     model.save_pretrained(directory)
@@ -96,6 +103,7 @@ class Moeshard:
     def run(self, prompts, outputs, concurrency) -> tuple[list[list[int]], float]:
         self.llm.core.stats = self.stats = StepStats()
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+        self.llm.reset_prefix_cache()  # every run is a new workload: no prompt's blocks from the last one
         start = time.perf_counter()
         done = self.llm.generate(prompts, params, max_concurrency=concurrency)
         return [o.token_ids for o in done], time.perf_counter() - start

@@ -6,7 +6,8 @@ start): it loads the model once, then serves commands, one JSON line in, one JSO
     out: {"tokens": [[ids…], …], "seconds": s}
 
 At most c requests are in flight, as in moeshard's `max_concurrency`: a new one is added as soon as
-one finishes. Greedy, EOS ignored, exactly n tokens each.
+one finishes. Greedy, EOS ignored, exactly n tokens each. Every run starts with an empty prefix cache,
+as moeshard's does: the workload repeats its prompts, and neither engine may skip their prefill.
 """
 
 import json
@@ -28,6 +29,7 @@ def main() -> None:
         command = json.loads(line)
         prompts, outputs, concurrency = command["prompts"], command["outputs"], command["concurrency"]
         tokens, pending = {}, list(range(len(prompts)))[::-1]
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         in_flight = 0
         while len(tokens) < len(prompts):

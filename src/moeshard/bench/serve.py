@@ -13,6 +13,11 @@ order that rotates every repetition, reports ratios (median and spread over repe
 server's resident memory, and how far the greedy completions agree with moeshard's (the share of
 identical tokens, position by position, the completions' text tokenized again with the model's
 tokenizer: exact for the random model, whose every token is one word).
+
+`--dataset prefix` gives every prompt one shared prefix of `--prefix-len` tokens (a long system
+prompt) before its own random part; `--against moeshard-no-cache` runs moeshard serve without prefix
+caching beside it, and the report adds the prefix-cache hit rate, as the responses' usage counts it
+(`prompt_tokens_details.cached_tokens`) and as moeshard's /metrics does.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from moeshard.bench.peers import vllm_python
-from moeshard.bench.servers import Target, resident_mb, sigterm_unwinds, started
+from moeshard.bench.servers import PEERS, Target, resident_mb, sigterm_unwinds, started
 
 REQUEST_TIMEOUT_S = 600  # per request, whole stream: a server that stalls fails the request, not the run
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -55,13 +60,22 @@ class RandomDataset:
         low, high = max(1, math.floor(mean * (1 - self.range_ratio))), math.ceil(mean * (1 + self.range_ratio))
         return [rng.randint(low, high) for _ in range(self.num_prompts)]
 
+    prefix_len: int = 0  # tokens every prompt starts with (the prefix dataset)
+
     def make(self, tokenizer) -> list[tuple[str, int]]:
         """(prompt text, output tokens asked for) per request; prompts avoid the special tokens."""
         rng = random.Random(self.seed)
         special = set(tokenizer.get_added_tokens_decoder())
         ordinary = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
+        prefix = [rng.choice(ordinary) for _ in range(self.prefix_len)]
         inputs, outputs = self.lengths(rng, self.input_len), self.lengths(rng, self.output_len)
-        return [(tokenizer.decode([rng.choice(ordinary) for _ in range(n)]), m) for n, m in zip(inputs, outputs)]
+        return [(tokenizer.decode(prefix + [rng.choice(ordinary) for _ in range(n)]), m) for n, m in zip(inputs, outputs)]
+
+    @property
+    def max_model_len(self) -> int:
+        """The context the longest request needs."""
+        return self.prefix_len + math.ceil(self.input_len * (1 + self.range_ratio)) + math.ceil(
+            self.output_len * (1 + self.range_ratio))
 
 
 @dataclass
@@ -70,6 +84,7 @@ class Outcome:
     error: str = ""
     text: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # of the prompt's, served from the prefix cache (None: not reported)
     output_tokens: int = 0
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -99,6 +114,7 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
                     return outcome
                 if usage := chunk.get("usage"):
                     outcome.prompt_tokens, outcome.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                    outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 text = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
                 if text:
                     now = time.perf_counter()
@@ -148,6 +164,8 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
         "completed": len(done), "failed": len(outcomes) - len(done), "duration_s": duration_s,
         "request_throughput": len(done) / duration_s, "output_throughput": output / duration_s,
         "total_token_throughput": (output + sum(o.prompt_tokens for o in done)) / duration_s,
+        "prefix_hit_rate": (sum(o.cached_tokens for o in done) / max(sum(o.prompt_tokens for o in done), 1)
+                            if done and all(o.cached_tokens is not None for o in done) else math.nan),
     }
     for name, values in latencies(done).items():
         ms = np.array(values or [math.nan]) * 1e3
@@ -171,6 +189,16 @@ class Run:
     latencies: dict = field(repr=False)
 
 
+def prefix_counters(target: Target) -> tuple[float, float] | None:
+    """moeshard's prefix-cache (queries, hits) from its /metrics, in tokens; None for another server."""
+    if not target.name.startswith("moeshard"):
+        return None
+    text = httpx.get(target.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    values = {line.split()[0].split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("moeshard:prefix_cache_")}
+    return values["moeshard:prefix_cache_queries_total"], values["moeshard:prefix_cache_hits_total"]
+
+
 def bench_targets(targets, requests, args, console, encode) -> list[Run]:
     runs = []
     total = args.repeats * len(args.max_concurrency) * len(targets) * (len(requests) + args.num_warmups)
@@ -183,18 +211,24 @@ def bench_targets(targets, requests, args, console, encode) -> list[Run]:
                     progress.update(task, description=f"{target.name}, concurrency {c}, repetition {repetition + 1}")
                     asyncio.run(run_workload(target, requests[:args.num_warmups], 1, math.inf, args.seed,
                                              lambda: progress.advance(task)))
+                    before = prefix_counters(target)
                     outcomes, duration = asyncio.run(run_workload(
                         target, requests, c, args.request_rate, args.seed, lambda: progress.advance(task)))
+                    metrics = summarize(outcomes, duration)
+                    if before is not None:  # the server's own count over the same requests
+                        queries, hits = (a - b for a, b in zip(prefix_counters(target), before))
+                        metrics["metrics_prefix_hit_rate"] = hits / queries if queries else math.nan
                     failures = [o.error for o in outcomes if not o.ok]
                     if failures:
                         console.print(f"{target.name}: {len(failures)} request(s) failed, first: {failures[0]}")
-                    runs.append(Run(target.name, c, repetition, summarize(outcomes, duration),
+                    runs.append(Run(target.name, c, repetition, metrics,
                                     [encode(o.text) for o in outcomes], latencies([o for o in outcomes if o.ok])))
     return runs
 
 
 def median_of(runs: list[Run], server: str, c: int, key: str) -> float:
-    return statistics.median(r.metrics[key] for r in runs if r.server == server and r.concurrency == c)
+    """NaN where the server does not report `key`."""
+    return statistics.median(r.metrics.get(key, math.nan) for r in runs if r.server == server and r.concurrency == c)
 
 
 RATIOS = {  # moeshard / peer, each oriented so that above 1 means moeshard is better
@@ -219,14 +253,15 @@ def ratios(runs: list[Run], peer: str) -> list[dict]:
         for label, (key, lower_is_better) in RATIOS.items():
             per_rep = [(theirs.metrics[key] / mine.metrics[key]) if lower_is_better
                        else (mine.metrics[key] / theirs.metrics[key]) for mine, theirs in pairs]
-            rows.append({"concurrency": c, "metric": label, "median": statistics.median(per_rep),
+            rows.append({"peer": peer, "concurrency": c, "metric": label, "median": statistics.median(per_rep),
                          "low": min(per_rep), "high": max(per_rep), "identical_completions": identical,
                          "identical_tokens": same / compared if compared else math.nan})
     return rows
 
 
 SHOWN = [("completed", "{:.0f}"), ("failed", "{:.0f}"), ("request_throughput", "{:.2f}"),
-         ("output_throughput", "{:.1f}"), ("total_token_throughput", "{:.1f}")] + [
+         ("output_throughput", "{:.1f}"), ("total_token_throughput", "{:.1f}"), ("prefix_hit_rate", "{:.1%}"),
+         ("metrics_prefix_hit_rate", "{:.1%}")] + [
     (f"{stat}_{name}_ms", "{:.1f}") for name in LATENCIES for stat in ("mean", "median", "p99")]
 
 
@@ -239,7 +274,8 @@ def print_tables(console, runs: list[Run], memory: dict, ratio_rows: list[dict],
         for server in servers:
             table.add_column(server, justify="right")
         for key, fmt in SHOWN:
-            table.add_row(key, *(fmt.format(median_of(runs, s, c, key)) for s in servers))
+            values = [median_of(runs, s, c, key) for s in servers]
+            table.add_row(key, *("–" if math.isnan(v) else fmt.format(v) for v in values))
         console.print(table)
         console.print(summary_table(runs, memory, [r for r in ratio_rows if r["concurrency"] == c], c, args))
 
@@ -256,8 +292,8 @@ def summary_table(runs: list[Run], memory: dict, ratio_rows: list[dict], c: int,
         columns += ["output tok/s ×", "TTFT ×", "TPOT ×", "memory ×", "same tokens", "same completions"]
     for column in columns:
         table.add_column(column, justify="right")
-    by_metric = {row["metric"]: row for row in ratio_rows}
     for server in dict.fromkeys(r.server for r in runs):
+        by_metric = {row["metric"]: row for row in ratio_rows if row["peer"] == server}
         mem = memory.get(server, {})
         cells = [server, f"{median_of(runs, server, c, 'output_throughput'):.1f}",
                  f"{median_of(runs, server, c, 'median_ttft_ms'):.1f}",
@@ -308,12 +344,19 @@ def run_bench_serve(args) -> int:
     from tokenizers import Tokenizer
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    if args.against == "vllm" and not args.base_url:
+    peers = [p for p in (args.against or "").split(",") if p]
+    unknown = set(peers) - set(PEERS)
+    if unknown or (peers and args.base_url):
+        console.print(f"moeshard: error: --against takes {', '.join(PEERS)} (not with --base-url), "
+                      f"got {args.against}.")
+        return 2
+    if "vllm" in peers and not args.base_url:
         vllm_python()  # fails now, with its one sentence, rather than after moeshard serve has started
     dataset = RandomDataset(args.num_prompts, args.random_input_len, args.random_output_len,
-                            args.random_range_ratio, args.seed)
+                            args.random_range_ratio, args.seed, args.prefix_len if args.dataset == "prefix" else 0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or random_model(Path(tmp) / "model", getattr(torch, args.dtype))
+        context = max(dataset.max_model_len, 512)  # bench e2e's model holds 512 positions
+        model_dir = args.model or random_model(Path(tmp) / "model", getattr(torch, args.dtype), context)
         tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         requests = dataset.make(tokenizer)
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
@@ -321,8 +364,8 @@ def run_bench_serve(args) -> int:
             targets, memory = [url_target(args.base_url)], {}
             runs = bench_targets(targets, requests, args, console, encode)
         else:
-            runs, memory = bench_started(model_dir, requests, args, console, Path(tmp), encode)
-    ratio_rows = ratios(runs, args.against) if args.against else []
+            runs, memory = bench_started(model_dir, peers, requests, args, console, Path(tmp), encode)
+    ratio_rows = [row for peer in peers for row in ratios(runs, peer)]
     print_tables(console, runs, memory, ratio_rows, args)
     if args.json:
         with open(args.json, "w") as f:
@@ -339,9 +382,9 @@ def run_bench_serve(args) -> int:
     return 0
 
 
-def bench_started(model_dir: str, requests, args, console, log_dir: Path, encode) -> tuple[list[Run], dict]:
+def bench_started(model_dir: str, peers, requests, args, console, log_dir: Path, encode) -> tuple[list[Run], dict]:
     """One long-lived server per contender for the whole run, each stopped by its PID however the run ends."""
-    kinds = ["moeshard"] + ([args.against] if args.against else [])
+    kinds = ["moeshard", *peers]
     with sigterm_unwinds(), ExitStack() as servers:
         targets = []
         for kind in kinds:
@@ -364,7 +407,7 @@ def url_target(base_url: str) -> Target:
     return Target("server", base_url, model, {"ignore_eos": True})
 
 
-def random_model(directory: Path, dtype: torch.dtype = torch.float32) -> str:
+def random_model(directory: Path, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> str:
     """The issue's random Qwen3-MoE (see `bench e2e`) with a tokenizer whose every id is one word
     "t<id>", so that random ids survive the trip through text exactly."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -372,7 +415,7 @@ def random_model(directory: Path, dtype: torch.dtype = torch.float32) -> str:
 
     from moeshard.bench.e2e import LARGER_QWEN3_MOE, larger_model
 
-    larger_model(str(directory), dtype=dtype)
+    larger_model(str(directory), dtype=dtype, max_positions=max_positions)
     specials = ["<pad>", "<bos>", "<eos>"]
     words = specials + [f"t{i}" for i in range(len(specials), LARGER_QWEN3_MOE["vocab_size"])]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))

@@ -45,9 +45,13 @@ class Target:
 # has `ignore_eos`, transformers serve rejects unknown fields but takes a generation config.
 IGNORE_EOS = {
     "moeshard": {"ignore_eos": True},
+    "moeshard-no-cache": {"ignore_eos": True},
     "transformers": {"generation_config": '{"eos_token_id": -1}'},
     "vllm": {"ignore_eos": True},
 }
+
+
+PEERS = ("transformers", "vllm", "moeshard-no-cache")  # what `bench serve --against` starts beside moeshard
 
 
 def free_port() -> int:
@@ -108,9 +112,10 @@ def kv_cache_bytes(model_dir: str, max_num_seqs: int, dtype: str) -> int:
 def server_command(
     kind: str, model_dir: str, port: int, max_num_seqs: int, dtype: str, extra: tuple[str, ...] = ()
 ) -> list[str]:
-    if kind == "moeshard":
+    if kind.startswith("moeshard"):
+        no_cache = ("--no-enable-prefix-caching",) if kind == "moeshard-no-cache" else ()
         return [sys.executable, "-m", "moeshard", "serve", "--model", model_dir, "--host", "127.0.0.1",
-                "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *extra]
+                "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *no_cache, *extra]
     # Left alone, each peer sizes its KV cache from free memory (transformers serve held ~13 GiB here,
     # even for the bundled model; vLLM wants 90 % of the RAM free): each gets the cache moeshard reserves.
     if kind == "vllm":  # `vllm serve` itself fails on the CPU package's name; the module runs
@@ -136,7 +141,7 @@ def started(
     kind: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: Path, extra: tuple[str, ...] = (),
     dtype: str = "auto",
 ) -> Iterator[Target]:
-    """`kind` ("moeshard", "transformers" or "vllm") serving `model_dir` in `dtype` until the block
+    """`kind` ("moeshard", "moeshard-no-cache", "transformers" or "vllm") serving `model_dir` in `dtype` until the block
     ends (moeshard with the `extra` arguments)."""
     port = free_port()
     log_path = log_dir / f"{kind}-serve.log"
@@ -147,7 +152,7 @@ def started(
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, proc, log_path, kind)
-        model = model_dir if kind != "moeshard" else httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        model = model_dir if not kind.startswith("moeshard") else httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         yield Target(kind, f"{base}/v1", model, IGNORE_EOS[kind], proc.pid)
     finally:
         stop(proc)

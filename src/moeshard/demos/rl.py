@@ -54,6 +54,9 @@ class RLOptions:
     moe_comm: str = "alltoall"
     compile: bool | str = False
     seed: int = 0
+    # The G samples of a problem share its prompt's KV blocks; the prompts are ~9 tokens, so blocks of 4.
+    prefix_caching: bool = True
+    block_size: int = 4
     model: Path = WEAK_MODEL_DIR
     grpo: GRPOConfig = GRPOConfig()
 
@@ -175,6 +178,8 @@ def run_rl(options: RLOptions, on_step=lambda record: None) -> list[StepRecord]:
             max_num_seqs=max(per_group, 16),
             max_num_batched_tokens=max(per_group * 8, 512),
             seed=options.seed,
+            enable_prefix_caching=options.prefix_caching,
+            block_size=options.block_size,
         ) as llm:
             held_mb = sum(sum(held.values()) for held in llm.memory_held_mb())
             records.append(StepRecord(0, accuracy=accuracy(llm, eval_set), engine_held_mb=held_mb))
@@ -321,6 +326,7 @@ def rl_command(args) -> int:
         moe_comm=args.moe_comm,
         compile=args.compile_backend if args.compile else False,
         seed=args.seed,
+        prefix_caching=args.prefix_caching,
         model=Path(args.model) if args.model else WEAK_MODEL_DIR,
         grpo=GRPOConfig(lr=args.lr),
     )

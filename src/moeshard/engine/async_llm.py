@@ -55,17 +55,19 @@ class AsyncLLM:
             self.lock.notify()
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams | dict | None = None, request_id: int | None = None
+        self, prompt: str | list[int], params: SamplingParams | dict | None = None, request_id: int | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """The request's deltas as they are generated, the last with `finished`. A bad request raises
-        ValueError before anything is queued; leaving the loop early aborts the request."""
+        ValueError before anything is queued; leaving the loop early aborts the request. `cache_salt`:
+        only requests with the same salt share prefix-cache blocks."""
         ids, params = self.llm.check_request(prompt, params or SamplingParams())
         self.llm.check_ready()
         request_id = next(self.ids) if request_id is None else request_id
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
             self.raise_if_dead()
-            self.adds.append((request_id, ids, params, queue, asyncio.get_running_loop()))
+            self.adds.append((request_id, ids, params, cache_salt, queue, asyncio.get_running_loop()))
             self.lock.notify()
         finished = False
         try:
@@ -131,13 +133,13 @@ class AsyncLLM:
                 return
 
     def apply(self, adds, aborts, calls) -> None:
-        for request_id, ids, params, queue, loop in adds:
+        for request_id, ids, params, cache_salt, queue, loop in adds:
             try:
                 self.llm.check_ready()  # a sleep may have run since generate() checked
             except RuntimeError as exc:
                 loop.call_soon_threadsafe(queue.put_nowait, EngineAsleepError(str(exc)))
                 continue
-            self.streams[self.core.add_request(ids, params, request_id)] = (queue, loop)
+            self.streams[self.core.add_request(ids, params, request_id, cache_salt)] = (queue, loop)
         for request_id in aborts:
             self.core.abort(request_id)
         for fn, future, loop in calls:

@@ -34,6 +34,7 @@ class RequestDelta:
     logprobs: list[dict[int, float]] | None = None  # per new token: top-N token → logprob, and the sampled one
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 @dataclass
@@ -64,6 +65,8 @@ class EngineStats:
     preemptions: int  # since start
     moe_steps: dict[str, int]  # steps by MoE communication method (every rank runs the same one)
     routed_per_ep_rank: list[int]  # (token, expert) assignments each EP rank's experts received
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of them, found there
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class CoreLimits:
     block_size: int
     max_num_seqs: int  # per DP group
     token_budget: int  # per DP group and step
+    prefix_caching: bool = True  # reuse full KV blocks by content (moeshard.engine.block_manager)
 
 
 class EngineCore:
@@ -81,7 +85,8 @@ class EngineCore:
         self.ranks, self.layout, self.rules = ranks, layout, rules
         self.groups = [
             Scheduler(
-                BlockManager(limits.num_blocks, limits.block_size), limits.max_num_seqs, limits.token_budget, rules
+                BlockManager(limits.num_blocks, limits.block_size, caching=limits.prefix_caching),
+                limits.max_num_seqs, limits.token_budget, rules,
             )
             for _ in range(layout.dp)
         ]
@@ -94,13 +99,16 @@ class EngineCore:
         self.forget: list[int] = []  # finished requests whose samplers the next step drops
         self.stats = StepStats()
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None) -> int:
-        """Queue a checked request (the caller validated prompt and limits); returns its id."""
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None, cache_salt: str | None = None
+    ) -> int:
+        """Queue a checked request (the caller validated prompt and limits); returns its id.
+        `cache_salt`: only requests with the same salt share prefix-cache blocks."""
         request_id = next(self.ids) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use.")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_generator))
-        request = Request(request_id, list(prompt_ids), params, seed)
+        request = Request(request_id, list(prompt_ids), params, seed, cache_salt=cache_salt)
         group = min(self.groups, key=lambda g: len(g.waiting) + len(g.running))
         group.add(request)
         self.requests[request_id] = (request, group)
@@ -116,6 +124,17 @@ class EngineCore:
         request, group = entry
         group.finish(request, "abort")
         self.finished.append(self.delta(request))
+
+    def weights_changed(self) -> None:
+        """The weights are about to change (an update, a reload, a sleep that drops them): no block
+        computed before can match a later lookup."""
+        for group in self.groups:
+            group.blocks.version += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (their memory is free at once; running requests keep theirs)."""
+        for group in self.groups:
+            group.blocks.reset()
 
     @property
     def has_unfinished(self) -> bool:
@@ -133,6 +152,8 @@ class EngineCore:
             preemptions=sum(g.num_preemptions for g in self.groups),
             moe_steps=moe_steps,
             routed_per_ep_rank=routed_per_ep_rank,
+            prefix_cache_queries=sum(g.blocks.queried_tokens for g in self.groups),
+            prefix_cache_hits=sum(g.blocks.hit_tokens for g in self.groups),
         )
 
     def step(self) -> list[RequestDelta]:
@@ -145,7 +166,11 @@ class EngineCore:
         plan = StepPlan([self.plan_group(s) for s in scheduled], self.forget)
         self.forget = []
         plan_P = encode_plan(plan)
-        results = self.ranks.execute(plan_P)
+        try:
+            results = self.ranks.execute(plan_P)
+        except BaseException:
+            self.reset_prefix_cache()  # blocks keyed for this step may hold nothing
+            raise
         for group, chunks, results_R in zip(self.groups, scheduled, results):
             sampled = [s.request for s in chunks if s.samples]
             group.postprocess(chunks, decode_samples(results_R))
@@ -179,7 +204,9 @@ class EngineCore:
         if not finished and request.params.stop:
             text = text[: max(chars_out, len(text) - max(len(s) for s in request.params.stop) + 1)]
         new_ids = request.output_ids[tokens_out:]
-        delta = RequestDelta(request.id, new_ids, text[chars_out:], None, finished, request.finish_reason)
+        delta = RequestDelta(
+            request.id, new_ids, text[chars_out:], None, finished, request.finish_reason, request.cached_tokens
+        )
         if request.params.logprobs is not None:
             delta.logprobs = [s.top_logprobs | {s.token: s.logprob} for s in request.samples[tokens_out:]]
         self.emitted[request.id] = (len(request.output_ids), max(chars_out, len(text)))

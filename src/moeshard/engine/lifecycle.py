@@ -83,7 +83,8 @@ class WeightSchema:
 
 class EngineLifecycle:
     """The driver's half. Expects `self.ranks` (`.call(method, *args)` on every rank's worker),
-    `self.directory` and `self.schema`; call `init_lifecycle()` from the engine's constructor."""
+    `self.core` (its prefix cache keys blocks by the weights' version), `self.directory` and
+    `self.schema`; call `init_lifecycle()` from the engine's constructor."""
 
     def init_lifecycle(self) -> None:
         self.released: set[str] = set()  # memory a sleep released and no wake has re-created
@@ -98,6 +99,9 @@ class EngineLifecycle:
             raise ValueError(f"sleep level must be 1 or 2, got {level}.")
         if self.released:
             raise RuntimeError("the engine is already asleep; call wake_up() first.")
+        self.core.reset_prefix_cache()  # the KV cache's memory goes
+        if level == 2:
+            self.core.weights_changed()
         rss = self.ranks.call("sleep", level)
         self.released, self.weights_lost = set(TAGS), level == 2
         return rss
@@ -121,6 +125,7 @@ class EngineLifecycle:
     def reload_weights(self) -> None:
         """Read the weights from the model directory again (after sleep(level=2), or to undo updates)."""
         self.check_weights_present()
+        self.core.weights_changed()
         self.ranks.call("reload_weights", self.rebuild_derived)
         self.weights_lost = False
 
@@ -133,7 +138,9 @@ class EngineLifecycle:
         Derived tensors are rebuilt; returns the new generation.
         """
         self.check_weights_present()
-        for part, tensors in self.schema.check(named_tensors).items():
+        parts = self.schema.check(named_tensors)
+        self.core.weights_changed()
+        for part, tensors in parts.items():
             self.ranks.call("update_part", part, tensors)
         generation = self.ranks.call("rebuild_derived")[0] if self.rebuild_derived else None
         self.weights_lost = False

@@ -35,8 +35,10 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-N token → logprob
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort", or None on error
     error: str | None = None  # this request was refused; the others ran
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def append(self, delta: RequestDelta) -> None:
+        self.num_cached_tokens = delta.cached_tokens
         self.text += delta.text
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
@@ -101,10 +103,13 @@ class LLM(EngineLifecycle):
         num_kv_blocks: int | None = None,
         block_size: int = 16,
         seed: int = 0,
+        enable_prefix_caching: bool = True,
     ):
         """`model`: a Hugging Face model directory; None: the bundled arithmetic model.
         `compile`: True (inductor) or a torch.compile backend name.
-        `dtype`: "auto" (bf16 for a bf16 or fp16 checkpoint, else fp32), "bfloat16" or "float32"."""
+        `dtype`: "auto" (bf16 for a bf16 or fp16 checkpoint, else fp32), "bfloat16" or "float32".
+        `enable_prefix_caching`: reuse the KV blocks of prompts seen before (keyed by the weights'
+        version too, so a weight change never serves a stale block)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
         self.directory = Path(model) if model is not None else MODEL_DIR
@@ -132,7 +137,7 @@ class LLM(EngineLifecycle):
         self.init_lifecycle()
         self.ranks = open_ranks(self.layout, config)
         rules = StopRules(frozenset(self.eos), self.max_model_len, self.decode)
-        limits = CoreLimits(self.num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
+        limits = CoreLimits(self.num_blocks, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching)
         self.core = EngineCore(self.ranks, self.layout, limits, rules, seed)
 
     def load_tokenizer(self):
@@ -147,6 +152,10 @@ class LLM(EngineLifecycle):
         """Run later steps with `method` (compiled graphs are reused: they serve every method)."""
         check_method(method_policy(method)[0], self.layout)
         self.ranks.call("set_method", method)
+
+    def reset_prefix_cache(self) -> None:
+        """Free every cached KV block now (correctness never needs it: keys carry the weights' version)."""
+        self.core.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         """Queues, KV usage and MoE counters, between two steps (the engine thread's call)."""

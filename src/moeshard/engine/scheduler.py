@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from moeshard.engine.block_manager import BlockManager
+from moeshard.engine.block_manager import BlockManager, Prefix
 from moeshard.engine.sampling import Sample, SamplingParams
 
 
@@ -38,6 +38,9 @@ class Request:
     finish_reason: str | None = None
     text: str = ""
     preemptions: int = 0
+    cache_salt: str | None = None  # part of its blocks' keys: only requests with the same salt share them
+    prefix: Prefix = Prefix()  # its blocks keyed in the prefix cache so far
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -88,7 +91,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free its blocks; it recomputes its prompt and output so far when it runs again."""
         self.blocks.release(request.blocks)
-        request.num_computed, request.status = 0, Status.WAITING
+        request.num_computed, request.status, request.prefix = 0, Status.WAITING, Prefix()
         request.preemptions += 1
         self.num_preemptions += 1
         self.running.remove(request)
@@ -96,8 +99,10 @@ class Scheduler:
 
     def schedule(self) -> list[Scheduled]:
         """This step's (request, new tokens): running requests first (oldest first), then waiting
-        ones while sequence slots, token budget and blocks last. The newest running request is
-        preempted when an older one needs a block."""
+        ones while sequence slots, token budget and blocks last; a waiting request starts after the
+        blocks the prefix cache holds for it. The newest running request is preempted when an older
+        one needs a block. Blocks this step fills are keyed now: a request admitted later in the same
+        step may share them, since each layer writes the step's K/V before any attention reads."""
         budget = self.token_budget
         scheduled: list[Scheduled] = []
         for request in list(self.running):
@@ -111,21 +116,35 @@ class Scheduler:
                 if request.status is not Status.RUNNING:
                     break
             else:
-                self.blocks.grow(request.blocks, request.num_computed + n)
+                self.grow(request, n)
                 scheduled.append(Scheduled(request, n))
                 budget -= n
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            n = min(request.num_tokens, budget)
-            if not self.blocks.can_grow(request.blocks, n):
+            tokens = request.tokens
+            hits, prefix = self.blocks.lookup(tokens, request.cache_salt)
+            cached = len(hits) * self.blocks.block_size
+            n = min(len(tokens) - cached, budget)
+            if not self.blocks.can_take(hits, cached + n):
                 break
             self.waiting.popleft()
-            request.status = Status.RUNNING
+            self.blocks.count_query(len(tokens), cached)
+            if request.preemptions == 0:
+                request.cached_tokens = cached
+            self.blocks.take(request.blocks, hits)
+            request.num_computed, request.prefix, request.status = cached, prefix, Status.RUNNING
             self.running.append(request)
-            self.blocks.grow(request.blocks, n)
+            self.grow(request, n)
             scheduled.append(Scheduled(request, n))
             budget -= n
         return scheduled
+
+    def grow(self, request: Request, n: int) -> None:
+        """Blocks for `request`'s next `n` tokens; the blocks they fill join the prefix cache."""
+        upto = request.num_computed + n
+        self.blocks.grow(request.blocks, upto)
+        if self.blocks.caching and upto // self.blocks.block_size > request.prefix.blocks:  # a block fills up
+            request.prefix = self.blocks.cache(request.blocks, request.tokens, upto, request.prefix, request.cache_salt)
 
     def postprocess(self, scheduled: list[Scheduled], samples: list[Sample]) -> None:
         """Advance every request of the step; `samples` holds one token per chunk that `samples`, in order."""

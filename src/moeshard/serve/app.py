@@ -98,6 +98,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    cache_salt: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class Server:
@@ -134,7 +136,7 @@ class Server:
                 tokens = max_tokens or self.llm.max_model_len - len(ids)  # default: the rest of the context
                 for j, seed in enumerate(body.seeds()):
                     _, params = self.llm.check_request(ids, SamplingParams(**body.options(tokens, logprobs), seed=seed))
-                    choices.append(Choice(p * body.n + j, p, ids, params))
+                    choices.append(Choice(p * body.n + j, p, ids, params, cache_salt=body.cache_salt))
             except (RequestError, FieldError) as exc:
                 raise Refused(400, str(exc), exc.param) from None
             except ValueError as exc:
@@ -148,7 +150,7 @@ class Server:
         async def feed(choice: Choice) -> None:
             timer, unfinished = self.metrics.track(len(choice.ids)), "abort"  # cancelled: the client left
             try:
-                async for delta in self.engine.generate(choice.ids, choice.params):
+                async for delta in self.engine.generate(choice.ids, choice.params, cache_salt=choice.cache_salt):
                     timer.on_delta(len(delta.token_ids), delta.finish_reason)
                     unfinished = None if delta.finished else unfinished
                     queue.put_nowait((choice, delta))
@@ -169,6 +171,7 @@ class Server:
                 choice.text += delta.text
                 choice.token_ids += delta.token_ids
                 choice.logprobs += delta.logprobs or []
+                choice.cached_tokens = delta.cached_tokens
                 if delta.finished:
                     choice.finish_reason, live = delta.finish_reason, live - 1
                 yield choice, delta
@@ -179,7 +182,12 @@ class Server:
     def usage(self, choices: list[Choice]) -> dict:
         prompt = sum(len(ids) for ids in {c.prompt_index: c.ids for c in choices}.values())
         completion = sum(len(c.token_ids) for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # Each prompt once, as prompt_tokens counts it: the most any of its choices found cached.
+        cached: dict[int, int] = {}
+        for c in choices:
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def token_text(self, token: int) -> str:
         tokenizer = self.llm.tokenizer
@@ -464,6 +472,12 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         return await server.chat(body, request)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Frees the cached blocks now; correctness never needs it (keys carry the weights' version)."""
+        await server.on_engine(server.llm.reset_prefix_cache)
+        return {"success": True}
 
     @app.get("/metrics")
     async def metrics():

@@ -41,14 +41,19 @@ class EngineCollector:
         yield gauge("num_requests_running", "Requests in the running batch.", s.running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", s.waiting)
         yield gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0 to 1), all DP groups.", s.kv_usage)
-        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions (by recompute).", labels=labels)
-        preemptions.add_metric([self.model], s.preemptions)
-        yield preemptions
         steps = CounterMetricFamily(PREFIX + "moe_steps", "Engine steps by the MoE communication method they ran.",
                                     labels=[*labels, "method"])
         for method, count in sorted(s.moe_steps.items()):
             steps.add_metric([self.model, method], count)
         yield steps
+        for name, doc, value in (
+            ("num_preemptions", "Preemptions (by recompute).", s.preemptions),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            counter.add_metric([self.model], value)
+            yield counter
         routed = CounterMetricFamily(
             PREFIX + "moe_routed_tokens",
             "Routed (token, expert) assignments received by each expert-parallel rank's experts, all MoE layers.",

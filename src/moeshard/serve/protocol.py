@@ -37,6 +37,7 @@ class Sampling(BaseModel):
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached blocks
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
