@@ -109,3 +109,24 @@ def test_outputs_equal_an_engine_without_caching(tiny, layout, method, compile):
     hits, queries = stats[True].prefix_cache_hits, stats[True].prefix_cache_queries
     assert hits >= 100 and queries > hits, (hits, queries)
     assert sum(o.num_cached_tokens for o in outputs[True]) > 0 and stats[True].preemptions > 0
+
+
+def test_cache_salt_reset_and_sleep(tiny):
+    """Only requests with the same salt share blocks; a reset and a sleep (the KV cache's memory
+    goes) leave nothing to hit."""
+    prompt = list(range(1, 30))  # 29 tokens: 7 full blocks of 4, the last token always computed
+    with LLM(tiny, block_size=4) as llm:
+
+        def hits(salt=None) -> int:
+            before = llm.stats().prefix_cache_hits
+            llm.core.add_request(prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+            while llm.core.has_unfinished:
+                llm.core.step()
+            return llm.stats().prefix_cache_hits - before
+
+        assert [hits(), hits(), hits("a"), hits("a"), hits("b")] == [0, 28, 0, 28, 0]
+        llm.reset_prefix_cache()
+        assert [hits(), hits()] == [0, 28]
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert [hits(), hits()] == [0, 28]

@@ -5,6 +5,8 @@ uniform over [len·(1−r), len·(1+r)], greedy, EOS ignored, streamed `/v1/comp
 at `--request-rate` (Poisson arrivals; inf: all at once) and at most `--max-concurrency` at a time.
 Per request: TTFT (first text), ITL (between text chunks), TPOT ((E2EL − TTFT) / (output tokens − 1))
 and E2EL; output tokens are the server's own count (`usage`, asked for with `include_usage`).
+Each repetition sends new prompts (the same to every server), after `--num-warmups` requests of its
+own that are not timed: with prefix caching on, a repeated prompt would skip its prefill.
 
 Without `--base-url` it starts `moeshard serve` itself; `--against transformers` also starts
 `transformers serve --continuous-batching`, `--against vllm` vLLM's OpenAI server (its CPU build,
@@ -31,7 +33,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -199,17 +201,25 @@ def prefix_counters(target: Target) -> tuple[float, float] | None:
     return values["moeshard:prefix_cache_queries_total"], values["moeshard:prefix_cache_hits_total"]
 
 
-def bench_targets(targets, requests, args, console, encode) -> list[Run]:
+def workloads(dataset: RandomDataset, tokenizer, args) -> list[list[tuple[str, int]]]:
+    """Each repetition's requests, the warm-ups first: new prompts every repetition (a server's prefix
+    cache would otherwise serve a repetition the prompts of the one before), the same for every server."""
+    return [replace(dataset, seed=dataset.seed + repetition, num_prompts=args.num_warmups + args.num_prompts)
+            .make(tokenizer) for repetition in range(args.repeats)]
+
+
+def bench_targets(targets, workloads, args, console, encode) -> list[Run]:
     runs = []
-    total = args.repeats * len(args.max_concurrency) * len(targets) * (len(requests) + args.num_warmups)
+    total = args.repeats * len(args.max_concurrency) * len(targets) * len(workloads[0])
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("bench serve", total=total)
         for repetition in range(args.repeats):
             order = targets[repetition % len(targets):] + targets[:repetition % len(targets)]
+            warmups, requests = workloads[repetition][:args.num_warmups], workloads[repetition][args.num_warmups:]
             for c in args.max_concurrency:
                 for target in order:
                     progress.update(task, description=f"{target.name}, concurrency {c}, repetition {repetition + 1}")
-                    asyncio.run(run_workload(target, requests[:args.num_warmups], 1, math.inf, args.seed,
+                    asyncio.run(run_workload(target, warmups, 1, math.inf, args.seed,
                                              lambda: progress.advance(task)))
                     before = prefix_counters(target)
                     outcomes, duration = asyncio.run(run_workload(
@@ -355,10 +365,12 @@ def run_bench_serve(args) -> int:
     dataset = RandomDataset(args.num_prompts, args.random_input_len, args.random_output_len,
                             args.random_range_ratio, args.seed, args.prefix_len if args.dataset == "prefix" else 0)
     with tempfile.TemporaryDirectory() as tmp:
-        context = max(dataset.max_model_len, 512)  # bench e2e's model holds 512 positions
+        # Twice the longest request: a server may bound a prompt's tokens by its characters (vLLM does,
+        # at ~5 a token), and the random tokenizer's words take 6 with their space. At least bench e2e's 512.
+        context = max(2 * dataset.max_model_len, 512)
         model_dir = args.model or random_model(Path(tmp) / "model", getattr(torch, args.dtype), context)
         tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        requests = dataset.make(tokenizer)
+        requests = workloads(dataset, tokenizer, args)
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
         if args.base_url:
             targets, memory = [url_target(args.base_url)], {}

@@ -181,12 +181,13 @@ class LLM(EngineLifecycle):
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.directory} has no tokenizer.json; pass prompts as lists of token ids.")
-            # No token is longer than `max_token_bytes`, so a text this long cannot fit the context:
+            # No token covers more than `max_token_bytes` of the text outside whitespace (a tokenizer
+            # may drop whitespace between words), so a text this long cannot fit the context:
             # refused in time linear in its size, before a tokenizer whose time grows faster sees it.
-            size = len(prompt.encode())
+            size = len("".join(prompt.split()).encode())
             if size > self.max_token_bytes * self.max_model_len:
                 raise ValueError(
-                    f"the prompt has {size} bytes, so at least {size // self.max_token_bytes} tokens; "
+                    f"the prompt has {size} bytes outside whitespace, so at least {size // self.max_token_bytes} tokens; "
                     f"the context holds {self.max_model_len}."
                 )
             return self.tokenizer.encode(prompt).ids

@@ -69,7 +69,8 @@ class Worker(RankLifecycle):
         if not ready:
             return encode_samples([])
         params, generators = zip(*(self.samplers[group.chunks[i].request_id] for i in ready))
-        return encode_samples(sample_batch(torch.stack([logits[i] for i in ready]), params, generators))
+        logits_NV = logits if len(ready) == len(logits) else logits[ready]
+        return encode_samples(sample_batch(logits_NV, params, generators))
 
     def moe_stats(self) -> tuple[dict[str, int], list[int]]:
         """Steps by MoE method, and the (token, expert) pairs this rank routed to each EP rank."""

@@ -69,8 +69,9 @@ class ModelRunner:
         return rows, compiled
 
     @torch.no_grad()
-    def run_chunks(self, chunks: list[Chunk], all_logits: bool = False) -> list[torch.Tensor]:
-        """Each chunk's logits (fp32): its last row [vocab], or with `all_logits` every row [n, vocab].
+    def run_chunks(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor | list[torch.Tensor]:
+        """Each chunk's logits (fp32): its last row, as one [chunks, vocab] tensor, or with `all_logits`
+        a list of every row [n, vocab] per chunk.
 
         Every rank calls this in lock-step; a rank with no chunks passes [] (and gets []).
         """
@@ -103,7 +104,7 @@ class ModelRunner:
             return []
         ends = meta.query_starts[1:]
         if not all_logits:
-            return list(self.model.logits(hidden_TD[[end - 1 for end in ends]]))
+            return self.model.logits(hidden_TD[[end - 1 for end in ends]])
         logits = self.model.logits(hidden_TD[: len(ids)])
         return [logits[start:end] for start, end in zip(meta.query_starts, ends)]
 
