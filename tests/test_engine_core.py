@@ -58,29 +58,31 @@ async def stream(engine: AsyncLLM, i: int, started: list[asyncio.Event]) -> list
     return tokens
 
 
-async def serve_all(engine: AsyncLLM) -> list[list[int]]:
+async def serve_all(engine: AsyncLLM) -> tuple[list[list[int]], object]:
     started = [asyncio.Event() for _ in range(STREAMS)]
     results = await asyncio.gather(*(stream(engine, i, started) for i in range(STREAMS)))
-    for _ in range(200):  # the loop thread applies the last aborts at its next turn
-        if engine.num_unfinished() == 0 and not engine.core.has_unfinished:
+    for _ in range(200):  # the loop applies the last aborts at its next turn
+        if engine.num_unfinished() == 0:
             break
         await asyncio.sleep(0.01)
-    return results
+    return results, await engine.call("stats")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_streams_join_and_abort_mid_decode(tp):
-    llm = LLM(tensor_parallel_size=tp, data_parallel_size=2, enable_expert_parallel=True, max_num_seqs=STREAMS)
-    alone = [llm.generate([PROMPTS[i]], params_of(i))[0].token_ids for i in range(STREAMS)]
-    engine = AsyncLLM(llm)
-    try:
-        results = asyncio.run(serve_all(engine))
-        for i, tokens in enumerate(results):
-            if aborted(i):
-                assert tokens == alone[i][: len(tokens)] and len(tokens) < 12, i
-            else:
-                assert tokens == alone[i], i
-        assert [g.blocks.num_free for g in llm.core.groups] == [llm.num_blocks] * 2
-        assert not llm.core.requests
-    finally:
-        engine.close()
+@pytest.mark.parametrize("tp, own_process", [(1, False), (2, False), (1, True)])
+def test_streams_join_and_abort_mid_decode(tp, own_process):
+    """Streams join mid-decode and leave early, on the engine loop in this process or in an engine
+    process of its own: each stream's tokens are its tokens alone, and every block is free after."""
+    options = dict(tensor_parallel_size=tp, data_parallel_size=2, enable_expert_parallel=True, max_num_seqs=STREAMS)
+    with LLM(**options) as llm:
+        alone = [llm.generate([PROMPTS[i]], params_of(i))[0].token_ids for i in range(STREAMS)]
+        engine = AsyncLLM.in_engine_process(**options) if own_process else AsyncLLM.in_process(llm)
+        try:
+            results, stats = asyncio.run(serve_all(engine))
+        finally:
+            engine.close()
+    for i, tokens in enumerate(results):
+        if aborted(i):
+            assert tokens == alone[i][: len(tokens)] and len(tokens) < 12, i
+        else:
+            assert tokens == alone[i], i
+    assert (stats.running, stats.waiting, stats.kv_usage) == (0, 0, 0.0)

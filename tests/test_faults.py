@@ -1,5 +1,5 @@
 """Faults and bad input as a supervisor meets them (docs/serving.md, "Faults"): a rank lost while the
-server is idle or streaming, the server itself killed, an offline engine losing a rank between two
+server is idle or streaming, the engine's process or the server itself killed, an offline engine losing a rank between two
 calls, bodies far over the limit while other clients are served, and a soak. Every process is
 started here and stopped by PID; the server's temp folder is its own, and must be empty at the end."""
 
@@ -46,9 +46,16 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.tree = process_tree(self.proc.pid)
 
+    def engine_process(self) -> int:
+        """The engine's own process: the server's spawned child."""
+        spawned = [pid for pid in self.tree[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        return next(pid for pid in spawned if parent_of(pid) == self.proc.pid)
+
     def ranks(self) -> list[int]:
-        """The spawned rank processes (not multiprocessing's resource tracker)."""
-        return [pid for pid in self.tree[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        """The spawned rank processes: the children of the server's engine process (not
+        multiprocessing's resource trackers)."""
+        spawned = [pid for pid in self.tree[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        return [pid for pid in spawned if parent_of(pid) in spawned]
 
     def text(self) -> str:
         return self.log.read_text()[-3000:]
@@ -63,6 +70,10 @@ class Server:
         if self.proc.poll() is None:
             stop_tree(self.proc, timeout_s=5, sig=signal.SIGKILL)
         kill([pid for pid in self.tree if alive(pid)])
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def wait_unhealthy(url: str, bound_s: float) -> httpx.Response:
@@ -137,6 +148,31 @@ def test_a_rank_lost_while_8_clients_stream(tmp_path):
         assert not any(c.is_alive() for c in clients), "a stream hung"
         assert ends.count("error event") == 8, ends
         assert_lost_and_gone(server, t0, rank=1)
+    finally:
+        server.close()
+
+
+def test_the_engine_process_killed_stops_the_server(tmp_path):
+    """The engine's own process dies (OOM killer, SIGKILL) while a stream runs: the stream ends with
+    an error, /health turns 503 naming the exit, the server exits 1 and its ranks go with it."""
+    from moeshard.verify.tiny import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint("qwen3_moe", tmp_path / "tiny")  # a context of 256: a long stream
+    server = Server(tmp_path, "--model", str(model), "--dp", "2", "--ep")
+    try:
+        ranks = server.ranks()
+        body = {"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=EXIT_BOUND_S) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # generating
+            os.kill(server.engine_process(), signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and "the engine process exited with code -9" in rest[-2], rest[-3:]
+        response = wait_unhealthy(server.url, HEALTH_BOUND_S)
+        assert response.status_code == 599 or "the engine process exited" in response.json()["error"]["message"]
+        assert server.proc.wait(timeout=EXIT_BOUND_S) == 1, server.text()
+        assert not any(map(alive, ranks)) and server.left_behind() == []
+        assert list(server.tmp.iterdir()) == []
     finally:
         server.close()
 

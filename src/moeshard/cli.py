@@ -7,6 +7,8 @@ import logging
 import sys
 import warnings
 
+import moeshard
+
 
 def int_list(text: str) -> list[int]:
     try:
@@ -330,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV blocks of prompts seen before, keyed by the weights' version (on by default)",
     )
+    srv.add_argument(
+        "--engine-process", action=argparse.BooleanOptionalAction, default=None,
+        help="run the engine core in a process of its own, so no forward waits behind HTTP for the GIL "
+             "(default: on, except under torchrun, where rank 0 is torchrun's process)",
+    )
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument(
         "--max-request-bytes", type=int, default=None,
@@ -421,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsrv.add_argument("--model", default=None, metavar="DIR", help="weights and tokenizer (default: bench e2e's random Qwen3-MoE, made for the run)")
     bsrv.add_argument("--against", default=None,
                       help="comma-separated servers to start beside moeshard serve: transformers (serve --continuous-batching), "
-                           "vllm (its OpenAI server, scripts/peers.sh), moeshard-no-cache (without prefix caching)")
+                           "vllm (its OpenAI server, scripts/peers.sh), moeshard-no-cache (without prefix caching), "
+                           "moeshard-one-process (the engine in the API server's process)")
     bsrv.add_argument("--dataset", choices=("random", "prefix"), default="random",
                       help="prefix: every prompt starts with one shared --prefix-len tokens")
     bsrv.add_argument("--prefix-len", type=int, default=1024)
@@ -483,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     # Errors the engine logs (a lost rank) reach stderr at once, with their time.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=moeshard.LOG_FORMAT)
     if under_torchrun() and hasattr(args, "layouts_of"):
         exit_without_finalizing(reporting_errors(run_on_torchrun, args))
     return reporting_errors(args.run, args)

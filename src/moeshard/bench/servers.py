@@ -43,15 +43,20 @@ class Target:
 
 # Neither server stops at EOS in a benchmark; each takes that in its own dialect: moeshard (as vLLM)
 # has `ignore_eos`, transformers serve rejects unknown fields but takes a generation config.
+# moeshard serve as benchmarked, and the variants `bench serve --against` can start beside it.
+MOESHARD_FLAGS = {
+    "moeshard": (),
+    "moeshard-no-cache": ("--no-enable-prefix-caching",),
+    "moeshard-one-process": ("--no-engine-process",),  # the engine loop in the API server's process
+}
 IGNORE_EOS = {
-    "moeshard": {"ignore_eos": True},
-    "moeshard-no-cache": {"ignore_eos": True},
+    **{kind: {"ignore_eos": True} for kind in MOESHARD_FLAGS},
     "transformers": {"generation_config": '{"eos_token_id": -1}'},
     "vllm": {"ignore_eos": True},
 }
 
 
-PEERS = ("transformers", "vllm", "moeshard-no-cache")  # what `bench serve --against` starts beside moeshard
+PEERS = ("transformers", "vllm", *list(MOESHARD_FLAGS)[1:])  # what `bench serve --against` starts beside moeshard
 
 
 def free_port() -> int:
@@ -112,10 +117,10 @@ def kv_cache_bytes(model_dir: str, max_num_seqs: int, dtype: str) -> int:
 def server_command(
     kind: str, model_dir: str, port: int, max_num_seqs: int, dtype: str, extra: tuple[str, ...] = ()
 ) -> list[str]:
-    if kind.startswith("moeshard"):
-        no_cache = ("--no-enable-prefix-caching",) if kind == "moeshard-no-cache" else ()
+    if kind in MOESHARD_FLAGS:
         return [sys.executable, "-m", "moeshard", "serve", "--model", model_dir, "--host", "127.0.0.1",
-                "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *no_cache, *extra]
+                "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *MOESHARD_FLAGS[kind],
+                *extra]
     # Left alone, each peer sizes its KV cache from free memory (transformers serve held ~13 GiB here,
     # even for the bundled model; vLLM wants 90 % of the RAM free): each gets the cache moeshard reserves.
     if kind == "vllm":  # `vllm serve` itself fails on the CPU package's name; the module runs
@@ -141,7 +146,7 @@ def started(
     kind: str, model_dir: str, threads: int, max_num_seqs: int, log_dir: Path, extra: tuple[str, ...] = (),
     dtype: str = "auto",
 ) -> Iterator[Target]:
-    """`kind` ("moeshard", "moeshard-no-cache", "transformers" or "vllm") serving `model_dir` in `dtype` until the block
+    """`kind` (one of MOESHARD_FLAGS, "transformers" or "vllm") serving `model_dir` in `dtype` until the block
     ends (moeshard with the `extra` arguments)."""
     port = free_port()
     log_path = log_dir / f"{kind}-serve.log"

@@ -1,11 +1,18 @@
 """`AsyncLLM`: requests that join while others run, each streamed back as it is generated.
 
-One background thread owns the engine core: it applies the requests and aborts that arrived since
-the last step, steps while any request is live, and hands every delta to its request's asyncio
-queue. A consumer that stops listening (cancelled, or the stream closed early) aborts its request,
-which frees its KV blocks before the next step.
+One thread owns the engine core, the `EngineLoop`: it applies the requests, aborts and control
+calls that arrived since the last step, steps while any request is live, and reports each step's
+deltas to its sink. `AsyncLLM` is the sink on the asyncio side: every delta goes to its request's
+queue, with one wake-up of each event loop per step. The loop runs in the caller's process
+(`AsyncLLM.in_process`) or in an engine process of its own (`AsyncLLM.in_engine_process`,
+moeshard.engine.engine_process), where a forward never waits for the GIL behind HTTP and JSON: the
+split of vLLM's API server and engine core. Both take the same calls and report the same events;
+a control call names a method of the LLM, so that it can cross the process boundary.
 
-    engine = AsyncLLM(LLM(tensor_parallel_size=2, enable_expert_parallel=True))
+A consumer that stops listening (cancelled, or the stream closed early) aborts its request, which
+frees its KV blocks before the next step.
+
+    engine = AsyncLLM.in_process(LLM(tensor_parallel_size=2, enable_expert_parallel=True))
     async for delta in engine.generate("123+456=", SamplingParams(temperature=0)):
         print(delta.text, end="")
 """
@@ -15,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from moeshard.engine.core import RequestDelta
-from moeshard.engine.llm import LLM
+from moeshard.engine.inputs import Inputs
 from moeshard.engine.sampling import SamplingParams
 
 
@@ -31,28 +39,136 @@ class EngineAsleepError(RuntimeError):
     """The engine went to sleep between a request's check and its admission; it was not run."""
 
 
-class AsyncLLM:
-    def __init__(self, llm: LLM):
-        self.llm, self.core = llm, llm.core
-        self.ids = itertools.count()
+@dataclass(frozen=True)
+class Readiness:
+    """The engine's state after a control call, mirrored where requests are checked."""
+
+    is_sleeping: bool = False
+    not_ready: str | None = None  # why no request can run now
+
+
+class Sink(Protocol):
+    """Where an EngineLoop reports, from its thread."""
+
+    def deliver(self, deltas: list[RequestDelta]) -> None: ...
+    def refuse(self, request_id: int, message: str) -> None: ...  # asleep at admission
+    def resolve(self, call_id: int, ok: bool, value: Any, readiness: Readiness) -> None: ...
+    def fail(self, error: BaseException) -> None: ...  # the engine is lost for good
+
+
+class EngineLoop:
+    """The thread that owns `llm.core`; everything else reaches the core through it."""
+
+    def __init__(self, llm, sink: Sink):
+        self.llm, self.core, self.sink = llm, llm.core, sink
         self.lock = threading.Condition()
-        self.adds: list[tuple[int, list[int], SamplingParams, asyncio.Queue, asyncio.AbstractEventLoop]] = []
+        self.adds: list[tuple[int, list[int], SamplingParams, str | None]] = []
         self.aborts: list[int] = []
-        self.calls: list[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = []
-        self.streams: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
-        self.error: BaseException | None = None
-        self.failed = threading.Event()  # set with `error`: the engine is lost for good
+        self.calls: list[tuple[int, str, tuple]] = []
         self.lost: BaseException | None = None  # a rank lost while the loop may be idle
         self.closing = False
-        self.thread = threading.Thread(target=self.loop, name="moeshard-engine", daemon=True)
-        self.thread.start()
         llm.on_rank_lost(self.notice_loss)
+        self.thread = threading.Thread(target=self.run, name="moeshard-engine", daemon=True)
+        self.thread.start()
+
+    def add(self, request_id: int, ids: list[int], params: SamplingParams, cache_salt: str | None) -> None:
+        self.put(self.adds, (request_id, ids, params, cache_salt))
+
+    def abort(self, request_id: int) -> None:
+        self.put(self.aborts, request_id)
+
+    def call(self, call_id: int, method: str, args: tuple) -> None:
+        self.put(self.calls, (call_id, method, args))
+
+    def put(self, queue: list, item) -> None:
+        with self.lock:
+            queue.append(item)
+            self.lock.notify()
 
     def notice_loss(self, error: BaseException) -> None:
-        """A rank is gone (the ranks' watch says so): the loop ends every request now, not at its next step."""
+        """A rank is gone (the ranks' watch says so): end every request now, not at the next step."""
         with self.lock:
             self.lost = error
             self.lock.notify()
+
+    def close(self, timeout: float) -> None:
+        """Abort what is in flight, stop the thread and close the engine."""
+        with self.lock:
+            self.closing = True
+            self.lock.notify()
+        self.thread.join(timeout)
+        self.llm.close()
+
+    def run(self) -> None:
+        try:
+            while True:
+                adds, aborts, calls, closing = self.take()
+                self.apply(adds, aborts, calls)
+                if closing:
+                    for request_id in self.core.live_request_ids():
+                        self.core.abort(request_id)
+                if self.core.has_unfinished:
+                    self.sink.deliver(self.core.step())
+                if closing and not self.core.has_unfinished:
+                    return
+        except BaseException as exc:  # a failed rank: the sink ends every request and call
+            self.sink.fail(exc)
+
+    def take(self):
+        with self.lock:
+            while not (self.adds or self.aborts or self.calls or self.closing or self.lost or self.core.has_unfinished):
+                self.lock.wait()
+            if self.lost is not None:
+                raise self.lost
+            taken = self.adds, self.aborts, self.calls, self.closing
+            self.adds, self.aborts, self.calls = [], [], []
+            return taken
+
+    def apply(self, adds, aborts, calls) -> None:
+        for request_id, ids, params, cache_salt in adds:
+            if (reason := self.llm.not_ready()) is not None:  # a sleep may have run since the request's check
+                self.sink.refuse(request_id, reason)
+                continue
+            self.core.add_request(ids, params, request_id, cache_salt)
+        for request_id in aborts:
+            self.core.abort(request_id)
+        for call_id, method, args in calls:
+            try:
+                ok, value = True, getattr(self.llm, method)(*args)
+            except Exception as exc:
+                ok, value = False, exc
+            self.sink.resolve(call_id, ok, value, Readiness(self.llm.is_sleeping, self.llm.not_ready()))
+
+
+class AsyncLLM:
+    """`inputs` checks and tokenizes requests here; `start(sink)` starts the loop that runs them."""
+
+    def __init__(self, inputs: Inputs, start):
+        self.inputs = inputs
+        self.ids, self.call_ids = itertools.count(), itertools.count()
+        self.lock = threading.Lock()
+        self.streams: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self.pending_calls: dict[int, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
+        self.readiness = Readiness()
+        self.error: BaseException | None = None
+        self.failed = threading.Event()  # set with `error`: the engine is lost for good
+        self.closing = False
+        self.backend = start(self)
+
+    @classmethod
+    def in_process(cls, llm) -> "AsyncLLM":
+        """The loop in a thread of this process, over `llm` (an LLM)."""
+        return cls(llm, lambda sink: EngineLoop(llm, sink))
+
+    @classmethod
+    def in_engine_process(cls, **llm_options) -> "AsyncLLM":
+        """The loop and the LLM(**llm_options) in an engine process of their own; returns once the
+        engine is up (an engine that cannot start raises here, with its reason)."""
+        from moeshard.engine.engine_process import EngineProcess, inputs_of
+
+        return cls(inputs_of(llm_options), lambda sink: EngineProcess(llm_options, sink))
+
+    # --- the asyncio side -----------------------------------------------------------------------
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | dict | None = None, request_id: int | None = None,
@@ -61,14 +177,14 @@ class AsyncLLM:
         """The request's deltas as they are generated, the last with `finished`. A bad request raises
         ValueError before anything is queued; leaving the loop early aborts the request. `cache_salt`:
         only requests with the same salt share prefix-cache blocks."""
-        ids, params = self.llm.check_request(prompt, params or SamplingParams())
-        self.llm.check_ready()
+        ids, params = self.inputs.check_request(prompt, params or SamplingParams())
+        self.check_ready()
         request_id = next(self.ids) if request_id is None else request_id
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
             self.raise_if_dead()
-            self.adds.append((request_id, ids, params, cache_salt, queue, asyncio.get_running_loop()))
-            self.lock.notify()
+            self.streams[request_id] = (queue, asyncio.get_running_loop())
+        self.backend.add(request_id, ids, params, cache_salt)
         finished = False
         try:
             while not finished:
@@ -85,22 +201,29 @@ class AsyncLLM:
 
     def abort(self, request_id: int) -> None:
         """End a request (reason "abort"); its blocks are free before the next step."""
-        with self.lock:
-            self.aborts.append(request_id)
-            self.lock.notify()
+        self.backend.abort(request_id)
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn()` on the engine's thread between two steps (sleep, wake, weight updates) and return its result."""
-        future = asyncio.get_running_loop().create_future()
+    async def call(self, method: str, *args) -> Any:
+        """Run the LLM's `method(*args)` between two steps (sleep, wake, weight updates, stats) and
+        return its result."""
+        call_id, future = next(self.call_ids), asyncio.get_running_loop().create_future()
         with self.lock:
             self.raise_if_dead()
-            self.calls.append((fn, future, asyncio.get_running_loop()))
-            self.lock.notify()
+            self.pending_calls[call_id] = (future, asyncio.get_running_loop())
+        self.backend.call(call_id, method, args)
         return await future
+
+    def check_ready(self) -> None:
+        if self.readiness.not_ready is not None:
+            raise RuntimeError(self.readiness.not_ready)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.readiness.is_sleeping
 
     def num_unfinished(self) -> int:
         with self.lock:
-            return len(self.streams) + len(self.adds)
+            return len(self.streams)
 
     def raise_if_dead(self) -> None:
         if self.error is not None:
@@ -108,80 +231,58 @@ class AsyncLLM:
         if self.closing:
             raise EngineDeadError("the engine is shutting down.")
 
-    def loop(self) -> None:
-        while True:
-            with self.lock:
-                while not (self.adds or self.aborts or self.calls or self.streams or self.closing or self.lost):
-                    self.lock.wait()
-                lost = self.lost
-                if self.closing and not self.streams and not self.adds and lost is None:
-                    return
-                adds, self.adds = self.adds, []
-                aborts, self.aborts = self.aborts, []
-                calls, self.calls = self.calls, []
-            if lost is not None:  # put back what was taken: fail() ends it all
-                with self.lock:
-                    self.adds, self.calls = adds + self.adds, calls + self.calls
-                self.fail(lost)
-                return
-            try:
-                self.apply(adds, aborts, calls)
-                if self.core.has_unfinished:
-                    self.deliver(self.core.step())
-            except BaseException as exc:  # a failed rank: every live stream hears it, later calls refuse
-                self.fail(exc)
-                return
+    def close(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight, stop the loop and close the engine."""
+        self.closing = True
+        self.backend.close(timeout)
 
-    def apply(self, adds, aborts, calls) -> None:
-        for request_id, ids, params, cache_salt, queue, loop in adds:
-            try:
-                self.llm.check_ready()  # a sleep may have run since generate() checked
-            except RuntimeError as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, EngineAsleepError(str(exc)))
-                continue
-            self.streams[self.core.add_request(ids, params, request_id, cache_salt)] = (queue, loop)
-        for request_id in aborts:
-            self.core.abort(request_id)
-        for fn, future, loop in calls:
-            try:
-                result = fn()
-            except Exception as exc:
-                loop.call_soon_threadsafe(future.set_exception, exc)
-            else:
-                loop.call_soon_threadsafe(future.set_result, result)
+    # --- the sink: called from the loop's thread ------------------------------------------------
 
     def deliver(self, deltas: list[RequestDelta]) -> None:
-        """Hand a step's deltas over: one wake-up of each event loop per step, not one per request."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
-        for delta in deltas:
-            queue, loop = self.streams[delta.request_id] if not delta.finished else self.streams.pop(delta.request_id)
-            by_loop.setdefault(loop, []).append((queue, delta))
+        with self.lock:
+            for delta in deltas:
+                queue, loop = self.streams.pop(delta.request_id) if delta.finished else self.streams[delta.request_id]
+                by_loop.setdefault(loop, []).append((queue, delta))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(put_all, items)
+            post(loop, put_all, items)
 
-    def fail(self, exc: BaseException) -> None:
+    def refuse(self, request_id: int, message: str) -> None:
         with self.lock:
-            self.error = exc
+            queue, loop = self.streams.pop(request_id)
+        post(loop, queue.put_nowait, EngineAsleepError(message))
+
+    def resolve(self, call_id: int, ok: bool, value: Any, readiness: Readiness) -> None:
+        with self.lock:
+            self.readiness = readiness
+            future, loop = self.pending_calls.pop(call_id)
+        post(loop, settle, future, ok, value)
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            self.error = error
             self.failed.set()
-            pending = list(self.streams.values()) + [(queue, loop) for _, _, _, queue, loop in self.adds]
-            calls, self.calls = self.calls, []
-            self.streams.clear()
-            self.adds.clear()
-        for queue, loop in pending:
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
-        for _, future, loop in calls:
-            loop.call_soon_threadsafe(future.set_exception, EngineDeadError(f"the engine stopped: {exc}"))
+            streams, self.streams = list(self.streams.values()), {}
+            calls, self.pending_calls = list(self.pending_calls.values()), {}
+        for queue, loop in streams:
+            post(loop, queue.put_nowait, error)
+        for future, loop in calls:
+            post(loop, settle, future, False, EngineDeadError(f"the engine stopped: {error}"))
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Abort what is in flight, stop the loop thread and close the engine."""
-        with self.lock:
-            self.closing = True
-            self.aborts += list(self.streams) + [request_id for request_id, *_ in self.adds]
-            self.lock.notify()
-        self.thread.join(timeout)
-        self.llm.close()
+
+def post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run `fn(*args)` on `loop`, unless it has closed (a server that stopped while the engine ends)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
 
 
 def put_all(items: list[tuple[asyncio.Queue, RequestDelta]]) -> None:
     for queue, delta in items:
         queue.put_nowait(delta)
+
+
+def settle(future: asyncio.Future, ok: bool, value: Any) -> None:
+    if not future.done():  # its caller may have gone (a client that disconnected)
+        future.set_result(value) if ok else future.set_exception(value)

@@ -92,13 +92,19 @@ class EngineLifecycle:
         # Negative controls only: with the rebuild off, derived tensors stay as the wake left them.
         self.rebuild_derived = os.environ.get("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD") != "1"
 
-    def sleep(self, level: int = 1) -> list[float]:
+    def sleep(self, level: int = 1, abort_running: bool = False) -> list[float]:
         """Release memory for a colocated trainer: level 1 backs the weights up to the host, level 2
-        drops them too; the KV cache never survives. Returns each rank's resident MiB."""
+        drops them too; the KV cache never survives. Requests in flight are refused the sleep, or
+        aborted with `abort_running`. Returns each rank's resident MiB."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}.")
         if self.released:
             raise RuntimeError("the engine is already asleep; call wake_up() first.")
+        live = self.core.live_request_ids()
+        if live and not abort_running:
+            raise RuntimeError(f"{len(live)} requests are in flight; sleep with mode=abort or mode=wait, or retry when idle.")
+        for request_id in live:
+            self.core.abort(request_id)
         self.core.reset_prefix_cache()  # the KV cache's memory goes
         if level == 2:
             self.core.weights_changed()
@@ -176,11 +182,17 @@ class EngineLifecycle:
         if "weights" in self.released:
             raise RuntimeError("the weights' memory is released; call wake_up(['weights']) first.")
 
-    def check_ready(self) -> None:
+    def not_ready(self) -> str | None:
+        """Why no request can run now, or None."""
         if self.released:
-            raise RuntimeError(f"the engine is asleep ({' and '.join(sorted(self.released))} released); call wake_up().")
+            return f"the engine is asleep ({' and '.join(sorted(self.released))} released); call wake_up()."
         if self.weights_lost:
-            raise RuntimeError("the weights were dropped by sleep(level=2); call reload_weights() before generating.")
+            return "the weights were dropped by sleep(level=2); call reload_weights() before generating."
+        return None
+
+    def check_ready(self) -> None:
+        if (reason := self.not_ready()) is not None:
+            raise RuntimeError(reason)
 
 
 @dataclass

@@ -8,7 +8,6 @@ other ranks are spawned here or started by torchrun (moeshard.engine.ranks).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import worker
 from moeshard.engine.core import CoreLimits, EngineCore, EngineStats, RequestDelta
+from moeshard.engine.inputs import Inputs
 from moeshard.engine.lifecycle import EngineLifecycle, WeightSchema
 from moeshard.engine.ranks import LocalRanks, Ranks
 from moeshard.engine.sampling import SamplingParams
@@ -46,14 +46,6 @@ class RequestOutput:
         self.finish_reason = delta.finish_reason
 
 
-class RequestError(ValueError):
-    """A request refused for its input; `param` names the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
 def check_world(layout: Layout) -> None:
     """Under torchrun the layout must use exactly the ranks it started, and keep each TP group inside
     one node (TP's many small collectives sit on every layer's critical path); checked before any
@@ -78,15 +70,25 @@ def open_ranks(layout: Layout, config: worker.WorkerConfig):
     return Ranks.spawn(layout, config) if layout.world_size > 1 else LocalRanks(config)
 
 
-def read_eos(directory: Path) -> set[int]:
-    eos = json.loads((directory / "config.json").read_text()).get("eos_token_id")
-    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-
-
 DTYPES = ("auto", "bfloat16", "float32")
 
 
-class LLM(EngineLifecycle):
+def checked_layout(
+    cfg, tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+    enable_sequence_parallel: bool = False, moe_comm: str = "auto", dtype: str = "auto", **_other_options,
+) -> Layout:
+    """The layout the LLM's options ask for, or a ValueError saying why they cannot serve the model
+    `cfg` describes: before any rank (or engine process) starts."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel)
+    check_layout(cfg, layout)
+    check_world(layout)
+    check_method(method_policy(moe_comm)[0], layout)
+    return layout
+
+
+class LLM(Inputs, EngineLifecycle):
     def __init__(
         self,
         model: str | None = None,
@@ -110,24 +112,13 @@ class LLM(EngineLifecycle):
         `dtype`: "auto" (bf16 for a bf16 or fp16 checkpoint, else fp32), "bfloat16" or "float32".
         `enable_prefix_caching`: reuse the KV blocks of prompts seen before (keyed by the weights'
         version too, so a weight change never serves a stale block)."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-        self.directory = Path(model) if model is not None else MODEL_DIR
+        directory = Path(model) if model is not None else MODEL_DIR
+        Inputs.__init__(self, directory, max_model_len, max_num_seqs, num_kv_blocks, block_size)
         cfg, _ = load_config(self.directory)
-        self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel)
-        check_layout(cfg, self.layout)
-        check_world(self.layout)
-        check_method(method_policy(moe_comm)[0], self.layout)  # fails here, before any rank starts
-        self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
-        self.vocab_size = cfg.vocab_size
-        self.max_num_seqs, self.token_budget, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
-        self.num_blocks = num_kv_blocks or -(-max_num_seqs * self.max_model_len // block_size)
-        self.eos = read_eos(self.directory)
-        self.tokenizer = self.load_tokenizer()
-        # The longest token's text in bytes (a byte-level token's stand-in characters count as the
-        # longer of the two): an upper bound on the bytes one token covers.
-        vocab = self.tokenizer.get_vocab(with_added_tokens=True) if self.tokenizer is not None else {}
-        self.max_token_bytes = max((len(token.encode()) for token in vocab), default=1)
+        self.layout = checked_layout(
+            cfg, tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel, moe_comm, dtype
+        )
+        self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         backend = "inductor" if compile is True else compile or None
         self.schema = WeightSchema.of(self.directory, cfg)
         self.dtype = self.schema.serving_dtype() if dtype == "auto" else dtype
@@ -139,14 +130,6 @@ class LLM(EngineLifecycle):
         rules = StopRules(frozenset(self.eos), self.max_model_len, self.decode)
         limits = CoreLimits(self.num_blocks, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching)
         self.core = EngineCore(self.ranks, self.layout, limits, rules, seed)
-
-    def load_tokenizer(self):
-        path = self.directory / "tokenizer.json"
-        if not path.is_file():
-            return None
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(path))
 
     def set_moe_comm(self, method: str) -> None:
         """Run later steps with `method` (compiled graphs are reused: they serve every method)."""
@@ -176,47 +159,6 @@ class LLM(EngineLifecycle):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.directory} has no tokenizer.json; pass prompts as lists of token ids.")
-            # No token covers more than `max_token_bytes` of the text outside whitespace (a tokenizer
-            # may drop whitespace between words), so a text this long cannot fit the context:
-            # refused in time linear in its size, before a tokenizer whose time grows faster sees it.
-            size = len("".join(prompt.split()).encode())
-            if size > self.max_token_bytes * self.max_model_len:
-                raise ValueError(
-                    f"the prompt has {size} bytes outside whitespace, so at least {size // self.max_token_bytes} tokens; "
-                    f"the context holds {self.max_model_len}."
-                )
-            return self.tokenizer.encode(prompt).ids
-        return list(prompt)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
-        """A request's token ids and parameters, or a ValueError naming what is wrong with it."""
-        if isinstance(params, dict):
-            params = SamplingParams.from_options(**params)
-        try:
-            ids = self.encode(prompt)
-        except ValueError as exc:
-            raise RequestError(str(exc), "prompt") from None
-        if not ids:
-            raise RequestError("the prompt is empty.", "prompt")
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise RequestError(f"the prompt has a token id outside the vocabulary [0, {self.vocab_size}).", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}.", "prompt")
-        capacity = self.num_blocks * self.block_size
-        if min(len(ids) + params.max_tokens, self.max_model_len) > capacity:
-            raise RequestError(
-                f"the request may need {len(ids) + params.max_tokens} tokens; the KV cache holds {capacity}.",
-                "max_tokens",
-            )
-        return ids, params
 
     def generate(
         self,

@@ -30,7 +30,7 @@ import moeshard
 from moeshard.engine import SamplingParams
 from moeshard.engine.async_llm import AsyncLLM, EngineAsleepError, EngineDeadError
 from moeshard.engine.core import RequestDelta
-from moeshard.engine.llm import RequestError
+from moeshard.engine.inputs import RequestError
 from moeshard.serve.metrics import ServerMetrics
 from moeshard.serve.protocol import (
     ChatRequest,
@@ -104,12 +104,12 @@ class Choice:
 
 class Server:
     def __init__(self, engine: AsyncLLM, settings: ServeSettings):
-        self.engine, self.llm, self.settings = engine, engine.llm, settings
+        self.engine, self.inputs, self.settings = engine, engine.inputs, settings
         self.metrics = ServerMetrics(settings.model_name)
         self.scrape_lock = asyncio.Lock()
         self.draining = False  # a sleep is waiting for in-flight requests: admit no new ones
         self.created = int(time.time())
-        self.chat_template = read_chat_template(self.llm.directory)
+        self.chat_template = read_chat_template(self.inputs.directory)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -123,7 +123,7 @@ class Server:
         if self.draining:
             raise Refused(503, "the engine is going to sleep; no new requests are admitted.")
         try:
-            self.llm.check_ready()
+            self.engine.check_ready()
         except RuntimeError as exc:
             raise Refused(503, str(exc)) from None
 
@@ -132,10 +132,10 @@ class Server:
         choices = []
         for p, prompt in enumerate(prompts):
             try:
-                ids, _ = self.llm.check_request(prompt, SamplingParams(max_tokens=1))  # the prompt alone
-                tokens = max_tokens or self.llm.max_model_len - len(ids)  # default: the rest of the context
+                ids, _ = self.inputs.check_request(prompt, SamplingParams(max_tokens=1))  # the prompt alone
+                tokens = max_tokens or self.inputs.max_model_len - len(ids)  # default: the rest of the context
                 for j, seed in enumerate(body.seeds()):
-                    _, params = self.llm.check_request(ids, SamplingParams(**body.options(tokens, logprobs), seed=seed))
+                    _, params = self.inputs.check_request(ids, SamplingParams(**body.options(tokens, logprobs), seed=seed))
                     choices.append(Choice(p * body.n + j, p, ids, params, cache_salt=body.cache_salt))
             except (RequestError, FieldError) as exc:
                 raise Refused(400, str(exc), exc.param) from None
@@ -190,7 +190,7 @@ class Server:
                 "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def token_text(self, token: int) -> str:
-        tokenizer = self.llm.tokenizer
+        tokenizer = self.inputs.tokenizer
         return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else f"token_id:{token}"
 
     # --- completions ----------------------------------------------------------------------------
@@ -227,7 +227,7 @@ class Server:
         ], "usage": self.usage(choices)}
 
     def prompt_text(self, choice: Choice) -> str:
-        return self.llm.decode(choice.ids)
+        return self.inputs.decode(choice.ids)
 
     def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict:
         tokens = [self.token_text(t) for t in token_ids]
@@ -312,10 +312,10 @@ class Server:
 
         return EventSourceResponse(events(), ping=600)
 
-    async def on_engine(self, fn, conflict: type[Exception] = RuntimeError):
-        """Run `fn` between two steps; its ValueError is a 400, `conflict` a 409."""
+    async def on_engine(self, method: str, *args, conflict: type[Exception] = RuntimeError):
+        """Run the engine's `method(*args)` between two steps; its ValueError is a 400, `conflict` a 409."""
         try:
-            return await self.engine.call(fn)
+            return await self.engine.call(method, *args)
         except ValueError as exc:
             raise Refused(400, str(exc)) from None
         except EngineDeadError as exc:
@@ -336,21 +336,13 @@ class Server:
             finally:
                 self.draining = False
 
-        def sleep_now():
-            live = self.llm.core.live_request_ids()
-            if live and mode != "abort":
-                raise RuntimeError(f"{len(live)} requests are in flight; sleep with mode=abort or mode=wait, or retry when idle.")
-            for request_id in live:
-                self.llm.core.abort(request_id)
-            self.llm.sleep(level)
-
-        await self.on_engine(sleep_now)
+        await self.on_engine("sleep", level, mode == "abort")
         return {"is_sleeping": True}
 
     async def stats_text(self) -> bytes:
         async with self.scrape_lock:
             if self.engine.error is None:
-                self.metrics.engine.stats = await self.engine.call(self.llm.stats)
+                self.metrics.engine.stats = await self.engine.call("stats")
             return generate_latest(self.metrics.registry)
 
 
@@ -446,24 +438,24 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": server.created, "owned_by": "moeshard",
-            "root": str(server.llm.directory), "max_model_len": server.llm.max_model_len,
+            "root": str(server.inputs.directory), "max_model_len": server.inputs.max_model_len,
         }]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         server.check_model(body.model)
         try:
-            ids = await asyncio.to_thread(server.llm.encode, body.prompt)
+            ids = await asyncio.to_thread(server.inputs.encode, body.prompt)
         except ValueError as exc:
             raise Refused(400, str(exc), "prompt") from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": server.llm.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.inputs.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         server.check_model(body.model)
-        if any(not 0 <= t < server.llm.vocab_size for t in body.tokens):
-            raise Refused(400, f"token ids must be in [0, {server.llm.vocab_size}).", "tokens")
-        return {"prompt": await asyncio.to_thread(server.llm.decode, body.tokens)}
+        if any(not 0 <= t < server.inputs.vocab_size for t in body.tokens):
+            raise Refused(400, f"token ids must be in [0, {server.inputs.vocab_size}).", "tokens")
+        return {"prompt": await asyncio.to_thread(server.inputs.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -476,7 +468,7 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """Frees the cached blocks now; correctness never needs it (keys carry the weights' version)."""
-        await server.on_engine(server.llm.reset_prefix_cache)
+        await server.on_engine("reset_prefix_cache")
         return {"success": True}
 
     @app.get("/metrics")
@@ -489,7 +481,7 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
 
 
 def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
-    llm = server.llm
+    engine = server.engine
 
     @app.post("/sleep")
     async def sleep(level: int = Query(1), mode: str | None = Query(None)):
@@ -501,19 +493,19 @@ def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/wake_up")
     async def wake_up(tags: list[str] | None = Query(None)):
-        await server.on_engine(lambda: llm.wake_up(tags))
-        return {"is_sleeping": llm.is_sleeping}
+        await server.on_engine("wake_up", tags)
+        return {"is_sleeping": engine.is_sleeping}
 
     @app.get("/is_sleeping")
     async def is_sleeping():
-        return {"is_sleeping": llm.is_sleeping}
+        return {"is_sleeping": engine.is_sleeping}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDiskRequest):
-        generation = await server.on_engine(lambda: llm.update_weights_from_disk(body.model_path))
+        generation = await server.on_engine("update_weights_from_disk", body.model_path)
         return {"success": True, "generation": generation}
 
     @app.post("/reload_weights")
     async def reload_weights():
-        await server.on_engine(llm.reload_weights)
+        await server.on_engine("reload_weights")
         return {"success": True}

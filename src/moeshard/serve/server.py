@@ -21,6 +21,8 @@ import uvicorn
 
 from moeshard.engine import LLM
 from moeshard.engine.async_llm import AsyncLLM
+from moeshard.parallel import Layout
+from moeshard.parallel.launch import under_torchrun
 from moeshard.serve.app import ServeSettings, build_app, default_max_request_bytes
 
 BUNDLED_NAME = "moeshard-arithmetic"
@@ -31,17 +33,20 @@ log = logging.getLogger("moeshard")
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    llm = LLM(
-        args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, enable_expert_parallel=args.ep,
+    options = dict(
+        model=args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, enable_expert_parallel=args.ep,
         enable_sequence_parallel=args.sp, moe_comm=args.moe_comm,
         compile=args.compile_backend if args.compile else False, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
     )
-    engine = AsyncLLM(llm)
+    own_process = args.engine_process if args.engine_process is not None else not under_torchrun()
+    if own_process and under_torchrun():
+        raise ValueError("--engine-process is not available under torchrun: rank 0's engine runs in torchrun's process.")
+    engine = AsyncLLM.in_engine_process(**options) if own_process else AsyncLLM.in_process(LLM(**options))
     try:
         name = args.served_model_name or args.model or BUNDLED_NAME
-        max_bytes = args.max_request_bytes or default_max_request_bytes(llm.max_model_len)
+        max_bytes = args.max_request_bytes or default_max_request_bytes(engine.inputs.max_model_len)
         settings = ServeSettings(name, args.api_key, args.enable_sleep_mode, max_request_bytes=max_bytes)
         config = uvicorn.Config(
             build_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
@@ -49,7 +54,8 @@ def serve_command(args: argparse.Namespace) -> int:
         )
         server = uvicorn.Server(config)
         threading.Thread(target=stop_when_lost, args=(engine, server), name="moeshard-loss-watch", daemon=True).start()
-        print(f"moeshard serve: {name} on {llm.layout.label()} at http://{args.host}:{args.port}/v1", flush=True)
+        layout = Layout(args.tp, args.dp, args.ep, args.sp).label()
+        print(f"moeshard serve: {name} on {layout} at http://{args.host}:{args.port}/v1", flush=True)
         # uvicorn handles SIGTERM/SIGINT itself, then raises the signal again to the handler it found:
         # make that one a no-op, so the stop we asked for ends here, closing the engine.
         for sig in (signal.SIGTERM, signal.SIGINT):
