@@ -170,6 +170,8 @@ def total(metrics: dict, name: str, **labels) -> float:
 
 
 def test_metrics_count_requests_and_disconnects_free_the_cache(server):
+    for p in PROMPTS[:3]:  # their blocks cached, whatever ran before on this server
+        client(server).completions.create(model=NAME, prompt=p, **GREEDY)
     before = scrape(server)
     outs = [client(server).completions.create(model=NAME, prompt=p, **GREEDY) for p in PROMPTS[:3]]
     after = scrape(server)
@@ -181,7 +183,7 @@ def test_metrics_count_requests_and_disconnects_free_the_cache(server):
     assert grew("moeshard:request_success_total", finished_reason="stop") == 3
     assert grew("moeshard:prompt_tokens_total") == sum(o.usage.prompt_tokens for o in outs)
     assert grew("moeshard:generation_tokens_total") == sum(o.usage.completion_tokens for o in outs)
-    # earlier tests sent these prompts: their blocks are cached, and usage and /metrics count the same hits
+    # the prompts were sent above: their blocks are cached, and usage and /metrics count the same hits
     cached = sum(o.usage.prompt_tokens_details.cached_tokens for o in outs)
     assert 0 < cached == grew("moeshard:prefix_cache_hits_total")
     assert grew("moeshard:prefix_cache_queries_total") == sum(o.usage.prompt_tokens for o in outs)
