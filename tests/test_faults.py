@@ -46,15 +46,17 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.tree = process_tree(self.proc.pid)
 
+    def spawned(self) -> list[int]:
+        """multiprocessing's spawned children, at any depth (not its resource trackers)."""
+        return [pid for pid in self.tree[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
     def engine_process(self) -> int:
         """The engine's own process: the server's spawned child."""
-        spawned = [pid for pid in self.tree[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        return next(pid for pid in spawned if parent_of(pid) == self.proc.pid)
+        return next(pid for pid in self.spawned() if parent_of(pid) == self.proc.pid)
 
     def ranks(self) -> list[int]:
-        """The spawned rank processes: the children of the server's engine process (not
-        multiprocessing's resource trackers)."""
-        spawned = [pid for pid in self.tree[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        """The spawned rank processes: the children of the server's engine process."""
+        spawned = self.spawned()
         return [pid for pid in spawned if parent_of(pid) in spawned]
 
     def text(self) -> str:

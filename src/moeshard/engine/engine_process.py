@@ -16,6 +16,7 @@ its ranks end with it; a server whose engine process dies learns it from the clo
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -31,19 +32,21 @@ from moeshard.engine.async_llm import EngineLoop, Readiness, Sink
 from moeshard.engine.core import RequestDelta
 from moeshard.engine.inputs import Inputs
 from moeshard.engine.llm import LLM, checked_layout
-from moeshard.models.model import load_config
 from moeshard.parallel.launch import exit_with_parent
 
 
 def inputs_of(llm_options: dict) -> Inputs:
-    """What the API server checks requests against: the engine's, read from the same options, whose
-    layout is checked here, before the engine process starts."""
-    model = llm_options.get("model")
+    """What the API server checks requests against: the engine's, read from the same options (the
+    LLM's defaults for those not given), whose layout is checked here, before the engine process starts."""
+    options = inspect.signature(LLM).bind(**llm_options)
+    options.apply_defaults()
+    given = options.arguments
+    model = given["model"]
     inputs = Inputs(
-        Path(model) if model is not None else MODEL_DIR, llm_options.get("max_model_len"),
-        llm_options.get("max_num_seqs", 16), llm_options.get("num_kv_blocks"), llm_options.get("block_size", 16),
+        Path(model) if model is not None else MODEL_DIR, given["max_model_len"], given["max_num_seqs"],
+        given["num_kv_blocks"], given["block_size"],
     )
-    checked_layout(load_config(inputs.directory)[0], **llm_options)
+    checked_layout(inputs.config, **given)
     return inputs
 
 

@@ -29,7 +29,7 @@ class Inputs:
         self, directory: Path, max_model_len: int | None, max_num_seqs: int, num_kv_blocks: int | None, block_size: int
     ):
         self.directory = directory
-        cfg, _ = load_config(directory)
+        self.config = cfg = load_config(directory)[0]
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
         self.vocab_size = cfg.vocab_size
         self.block_size = block_size

@@ -21,7 +21,7 @@ from moeshard.engine.lifecycle import EngineLifecycle, WeightSchema
 from moeshard.engine.ranks import LocalRanks, Ranks
 from moeshard.engine.sampling import SamplingParams
 from moeshard.engine.scheduler import StopRules
-from moeshard.models.model import check_layout, load_config
+from moeshard.models.model import check_layout
 from moeshard.moe.context import check_method, method_policy
 from moeshard.parallel import Layout
 from moeshard.parallel.launch import under_torchrun
@@ -114,7 +114,7 @@ class LLM(Inputs, EngineLifecycle):
         version too, so a weight change never serves a stale block)."""
         directory = Path(model) if model is not None else MODEL_DIR
         Inputs.__init__(self, directory, max_model_len, max_num_seqs, num_kv_blocks, block_size)
-        cfg, _ = load_config(self.directory)
+        cfg = self.config
         self.layout = checked_layout(
             cfg, tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel, moe_comm, dtype
         )
