@@ -20,9 +20,15 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def verify_layer(args: argparse.Namespace) -> int:
+def progress_bar(label: str, console):
+    """A bar with a count, the current item and the time so far (rich)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    return Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                    TimeElapsedColumn(), console=console)
+
+
+def verify_layer(args: argparse.Namespace) -> int:
     from moeshard.parallel.launch import is_reporting_rank
     from moeshard.verify import layer as matrix
     from moeshard.verify import report
@@ -30,10 +36,7 @@ def verify_layer(args: argparse.Namespace) -> int:
     console = report.console(quiet=not is_reporting_rank())
     world_sizes = matrix.world_sizes_to_run(args.world_sizes)
     total = sum(len(matrix.groups_for(w)) for w in world_sizes)
-    with Progress(
-        TextColumn("[bold]verify layer[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), console=console,
-    ) as progress:
+    with progress_bar("verify layer", console) as progress:
         task = progress.add_task("", total=total)
 
         def on_group(group, rows):
@@ -50,6 +53,34 @@ def verify_layer(args: argparse.Namespace) -> int:
     if args.markdown and is_reporting_rank():
         report.write_markdown(rows, args.markdown)
     return 1 if failed else 0
+
+
+def verify_invariance(args: argparse.Namespace) -> int:
+    from moeshard.verify import invariance, report
+
+    options = invariance.InvarianceOptions(
+        layouts=tuple(args.layouts), methods=tuple(args.moe_comm),
+        backends=(None, args.compile_backend) if args.compile else (None,), requests=args.requests, mixes=args.mixes,
+        batch_invariant=args.batch_invariant, model=args.model, dtype=args.dtype, seed=args.seed,
+    )
+    console = report.console()
+    with progress_bar("verify invariance", console) as progress:
+        task = progress.add_task("", total=invariance.rows_expected(options))
+
+        def on_row(row):
+            verdict = "[green]bitwise[/]" if row.passed else "[bold red]DIFFERS[/]"
+            progress.console.print(
+                f"{verdict} {row.layout:<8} {row.method:<9} {'compiled' if row.compiled else 'eager   '} vs {row.reference}: "
+                f"{row.bitwise_equal}/{row.compared} equal, max |Δ logprob| {row.max_abs_dlogprob:.2e}"
+            )
+            progress.update(task, advance=1, description=f"{row.layout} {row.method}")
+
+        rows = invariance.run_invariance(options, on_row)
+    console.width = max(console.width, 120)
+    console.print(invariance.summary_table(rows, options))
+    if args.json:
+        invariance.write_json(rows, args.json)
+    return 0 if all(r.passed for r in rows) else 1
 
 
 def verify_hf(args: argparse.Namespace) -> int:
@@ -107,6 +138,11 @@ def add_dtype(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_batch_invariant(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a request's tokens and logprobs bitwise the same whatever runs beside it (docs/DESIGN.md §11)")
+
+
 def layout_list(text: str):
     from moeshard.parallel import Layout
 
@@ -116,7 +152,6 @@ def layout_list(text: str):
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from moeshard.verify import report
@@ -126,10 +161,7 @@ def run_eval(args: argparse.Namespace) -> int:
     backends = [None] + ([args.compile_backend] if args.compile else [])
     console = report.console()
     total = len(args.concurrency) * (1 if args.url else len(args.layouts) * len(backends) * len(args.moe_comm))
-    with Progress(
-        TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), console=console,
-    ) as progress:
+    with progress_bar("eval", console) as progress:
         task = progress.add_task("", total=total)
 
         def on_row(row):
@@ -143,18 +175,23 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.url:
             rows = run_eval_url(args.url, args.concurrency, args.n, args.api_key, on_row)
         else:
-            rows = evaluate(args.layouts, args.concurrency, args.moe_comm, backends, args.n, args.model, on_row, args.dtype)
+            rows = evaluate(args.layouts, args.concurrency, args.moe_comm, backends, args.n, args.model, on_row, args.dtype,
+                            args.batch_invariant)
     table = Table(title=f"exact match on {args.n} held-out problems (greedy)")
-    for column in ("layout", "method", "compiled", "concurrency", "accuracy", "identical to first run"):
+    for column in ("layout", "method", "compiled", "concurrency", "accuracy", "identical to first run",
+                   "logprobs bitwise"):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(r.layout, r.method, "yes" if r.compiled else "no", str(r.concurrency), f"{r.accuracy:.3f}",
-                      "yes" if r.identical_to_reference else "[bold red]no[/]")
+                      "yes" if r.identical_to_reference else "[bold red]no[/]",
+                      "-" if r.logprobs_identical is None else "yes" if r.logprobs_identical else "no")
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(to_json(rows), f, indent=1)
-    return 0 if all(r.identical_to_reference for r in rows) else 1
+    # Logprobs equal across concurrencies are the mode's promise; without it they may differ in the last bits.
+    logprobs_ok = not args.batch_invariant or all(r.logprobs_identical is not False for r in rows)
+    return 0 if all(r.identical_to_reference for r in rows) and logprobs_ok else 1
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -168,7 +205,8 @@ def generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     with LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, enable_expert_parallel=args.ep,
-             moe_comm=args.moe_comm, compile=args.compile_backend if args.compile else False, dtype=args.dtype) as llm:
+             moe_comm=args.moe_comm, compile=args.compile_backend if args.compile else False, dtype=args.dtype,
+             batch_invariant=args.batch_invariant) as llm:
         for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
             if out.error is not None:
                 print(f"{prompt}  [error: {out.error}]")
@@ -278,6 +316,24 @@ def build_parser() -> argparse.ArgumentParser:
     vhf.add_argument("--json", metavar="PATH")
     vhf.set_defaults(run=verify_hf)
 
+    vinv = verify_what.add_parser(
+        "invariance", help="every request bitwise equal to its run alone, in randomised mixes (batch-invariant mode)"
+    )
+    vinv.add_argument("--model", default=None, metavar="DIR", help="default: the bundled arithmetic model")
+    vinv.add_argument("--layouts", type=layout_list, default="1x1,1x2-ep,2x2-ep", help="TPxDP[-ep][-sp], comma-separated")
+    vinv.add_argument("--moe-comm", type=lambda t: t.split(","), default=["auto", "allgather", "alltoall", "mc2", "fused_mc2"],
+                      help="comma-separated methods (auto included: the policy picks per step)")
+    vinv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="also run each setting compiled")
+    vinv.add_argument("--compile-backend", default="inductor")
+    vinv.add_argument("--requests", type=int, default=24)
+    vinv.add_argument("--mixes", type=int, default=3, help="randomised mixes per engine (order, concurrency)")
+    vinv.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                      help="--no-batch-invariant: the negative control, today's default mode")
+    vinv.add_argument("--dtype", default="float32", choices=("auto", "bfloat16", "float32"))
+    vinv.add_argument("--seed", type=int, default=0)
+    vinv.add_argument("--json", metavar="PATH")
+    vinv.set_defaults(run=verify_invariance, layouts_of=lambda a: a.layouts)
+
     ev = commands.add_parser("eval", help="held-out arithmetic through the engine: accuracy and identical outputs")
     ev.add_argument("--model", default=None, metavar="DIR", help="default: the bundled arithmetic model")
     ev.add_argument("--layouts", type=layout_list, default="1x1,2x1,1x2-ep,2x2-ep", help="TPxDP[-ep][-sp], comma-separated")
@@ -290,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--url", metavar="URL", help="evaluate a running `moeshard serve` (openai client, streaming) instead")
     ev.add_argument("--api-key", default=None, help="with --url: the server's key")
     add_dtype(ev)
+    add_batch_invariant(ev)
     ev.set_defaults(run=run_eval, layouts_of=lambda a: [] if a.url else a.layouts)
 
     gen = commands.add_parser("generate", help="generate text for prompts")
@@ -308,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     add_dtype(gen)
+    add_batch_invariant(gen)
     gen.set_defaults(run=generate, layouts_of=generate_layouts)
 
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (streaming, metrics, RL routes)")
@@ -344,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_dtype(srv)
+    add_batch_invariant(srv)
     srv.set_defaults(run=serve, layouts_of=serve_layouts)
 
     rlp = commands.add_parser("rl", help="GRPO on the arithmetic task: engine and trainer colocated, logprobs checked")
@@ -370,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--negative-control", action="store_true",
         help="leave the derived tensors as the poisoned wake made them: the run must stop at the first step after a wake",
     )
+    add_batch_invariant(rlp)
     rlp.add_argument("--json", metavar="PATH", help="one object per step")
     rlp.add_argument("--plot", metavar="PNG", help="reward, accuracy and |Δ logprob| against step")
     rlp.set_defaults(run=rl)
@@ -419,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     be2e.add_argument("--model-shapes", type=lambda t: t.split(","), default=["small"],
                       help="comma-separated: small, qwen3-30b-a3b (2 layers of Qwen3-30B-A3B, ~3.7 GB in bf16)")
     be2e.add_argument("--against", default="transformers",
-                      help="comma-separated peers: transformers (static and continuous batching), vllm (scripts/peers.sh)")
+                      help="comma-separated peers: transformers (static and continuous batching), vllm (scripts/peers.sh), "
+                           "moeshard-batch-invariant (the cost of --batch-invariant)")
     be2e.add_argument("--plot", metavar="PNG", help="tokens/s against concurrency, one panel per model, dtype, threads")
     be2e.add_argument("--json", metavar="PATH")
     be2e.set_defaults(run=bench_e2e)

@@ -109,6 +109,20 @@ class Moeshard:
         return [o.token_ids for o in done], time.perf_counter() - start
 
 
+class MoeshardBatchInvariant(Moeshard):
+    """The same model in batch-invariant mode: what the mode costs, measured beside the default."""
+
+    name = "moeshard batch-invariant"
+
+    def __init__(self, directory, dtype, concurrency, context):
+        super().__init__(LLM(directory, dtype=dtype, max_num_seqs=concurrency, max_num_batched_tokens=2048,
+                             max_model_len=context, batch_invariant=True))
+        self.llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+
+    def close(self):
+        self.llm.close()
+
+
 class TransformersStatic:
     name = "transformers static"
 
@@ -273,6 +287,8 @@ def plot(path: str, rows: list[Row]) -> None:
 
 def contenders_for(against: list[str], llm, hf, directory, dtype, threads, args, context, log_dir) -> list:
     contenders = [Moeshard(llm)]
+    if "moeshard-batch-invariant" in against:
+        contenders.append(MoeshardBatchInvariant(directory, dtype, max(args.concurrency), context))
     if "transformers" in against:
         contenders += [TransformersStatic(hf), TransformersContinuous(hf)]
     if "vllm" in against:
@@ -285,17 +301,18 @@ def run_bench_e2e(args) -> int:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     workload = Workload(args.num_requests, tuple(args.prompt_lens), tuple(args.output_lens), args.seed)
     against = [a for a in args.against.split(",") if a]
-    unknown = set(against) - {"transformers", "vllm"}
+    unknown = set(against) - {"transformers", "vllm", "moeshard-batch-invariant"}
     if unknown:
-        console.print(f"moeshard: error: --against takes transformers and vllm, got {', '.join(sorted(unknown))}.")
+        console.print(f"moeshard: error: --against takes transformers, vllm and moeshard-batch-invariant, "
+                      f"got {', '.join(sorted(unknown))}.")
         return 2
     if "vllm" in against:
         vllm_python()  # fails now, with its one sentence, rather than after the first model
     rows, floors = [], []
     dtype = getattr(torch, args.dtype)
     context = workload.prompt_lens[1] + workload.output_lens[1]
-    points = len(args.threads) * len(args.concurrency) * args.repeats * (1 + 2 * ("transformers" in against)
-                                                                         + ("vllm" in against))
+    points = len(args.threads) * len(args.concurrency) * args.repeats * (
+        1 + 2 * ("transformers" in against) + ("vllm" in against) + ("moeshard-batch-invariant" in against))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("bench e2e", total=len(args.model_shapes) * points)
         for shape in args.model_shapes:

@@ -36,6 +36,7 @@ class GRPOConfig:
     minibatches: int = 2  # optimizer steps per rollout; after the first the policy is off the rollout's
     max_grad_norm: float = 1.0
     tolerance: float = 1e-4  # largest |Δ logprob| between engine and trainer it trains on
+    batch_invariant: bool = False  # the logprobs trained on are the engine's own computation (EngineMirror)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,67 @@ def sampled_logprobs(model, tokens_NS: torch.Tensor) -> torch.Tensor:
     logits_NSV = model(input_ids=tokens_NS).logits.float()
     logprobs_NS = logits_NSV[:, :-1].log_softmax(-1).gather(-1, tokens_NS[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(logprobs_NS, (1, 0))
+
+
+class EngineMirror:
+    """The policy as the engine computes it, for bitwise on-policy training (docs/DESIGN.md §11).
+
+    The engine's own model code (moeshard.models) on one rank in batch-invariant mode: each row's
+    logits come from the same kernels in the same order as in the engine, whatever the engine's
+    layout (1x1 and DP × EP agree bit for bit, `moeshard verify invariance`), whatever the rollout's
+    batching. Its kernels have no backward, so the trainer trains on
+    `transformers' logprobs + (mirror's − transformers').detach()`: the mirror's values, exactly the
+    engine's, and transformers' gradient of the same function (the two differ by rounding).
+    """
+
+    def __init__(self, model_dir: str, block_size: int = 16, max_rows: int = 4096):
+        from moeshard.models.model import load_model
+        from moeshard.models.runner import ModelRunner
+        from moeshard.parallel import Layout, set_layout
+        from moeshard.runtime import invariance
+
+        set_layout(Layout())
+        invariance.set_batch_invariant(True)
+        self.block_size = block_size
+        self.runner = ModelRunner(load_model(model_dir, torch.float32), -(-max_rows // block_size), block_size)
+
+    @torch.no_grad()
+    def sampled_logprobs(self, tokens_NS: torch.Tensor, lengths_N: torch.Tensor) -> torch.Tensor:
+        """As `sampled_logprobs`, from the engine's computation: sequences in batches of up to
+        `max_rows` tokens, each its own blocks, every position's logits."""
+        from moeshard.models.runner import Chunk
+
+        out_NS = torch.zeros(tokens_NS.shape, dtype=torch.float32)
+        blocks_total, batch, next_block = self.runner.num_blocks, [], 0
+
+        def run() -> None:
+            logits = self.runner.run_chunks([chunk for _, chunk in batch], all_logits=True)
+            for (i, chunk), logits_SV in zip(batch, logits):
+                n = len(chunk.token_ids)
+                lp_S = logits_SV[:-1].log_softmax(-1).gather(-1, tokens_NS[i, 1:n, None]).squeeze(-1)
+                out_NS[i, 1:n] = lp_S
+            batch.clear()
+
+        for i, n in enumerate(lengths_N.tolist()):
+            blocks = -(-n // self.block_size)
+            if next_block + blocks > blocks_total:
+                run()
+                next_block = 0
+            batch.append((i, Chunk(tokens_NS[i, :n].tolist(), 0, list(range(next_block, next_block + blocks)))))
+            next_block += blocks
+        if batch:
+            run()
+        return out_NS
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """The trainer's new weights (checkpoint names), and the tensors derived from them."""
+        from moeshard.models.checkpoint import TensorDict
+        from moeshard.runtime import derived
+
+        model = self.runner.model
+        for part in model.parts():
+            model.load_part(TensorDict(weights), part)
+        derived.rebuild(model.derived_owners())
 
 
 def clipped_loss(logprobs_NS, old_NS, advantages_N, mask_NS, clip: float) -> torch.Tensor:
@@ -101,12 +163,25 @@ class Trainer:
         self.updates = 0
         with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
             self.names = set(f.keys())
+        self.mirror = EngineMirror(model_dir) if config.batch_invariant else None
+
+    def logprobs(self, rollout: Rollout, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampled tokens' logprobs under the current weights, with autograd; with the mirror,
+        their values are the engine's (see EngineMirror)."""
+        rows = slice(None) if rows is None else rows
+        tokens_NS = rollout.tokens_NS[rows]
+        logprobs_NS = sampled_logprobs(self.model, tokens_NS)
+        if self.mirror is None:
+            return logprobs_NS
+        lengths_N = rollout.completion_NS[rows].cumsum(1).argmax(1) + 1  # through the last sampled token
+        exact_NS = self.mirror.sampled_logprobs(tokens_NS, lengths_N)
+        return logprobs_NS + (exact_NS - logprobs_NS).detach()
 
     def step(self, rollout: Rollout) -> dict:
         """Check the gap on the rollout, then (if within tolerance) train on it."""
         mask_NS = rollout.completion_NS
         with torch.no_grad():
-            old_NS = sampled_logprobs(self.model, rollout.tokens_NS)
+            old_NS = self.logprobs(rollout)
         report = logprob_gap(old_NS, rollout.engine_logprobs_NS, mask_NS)
         report["trained"] = report["max_abs_dlogprob"] <= self.config.tolerance
         if not report["trained"]:
@@ -116,7 +191,7 @@ class Trainer:
         # are left out (as DAPO does), so they cost no compute and do not dilute the token average.
         taught = rollout.advantages_N.nonzero().squeeze(1)
         for rows in taught.chunk(self.config.minibatches) if len(taught) else ():
-            logprobs_NS = sampled_logprobs(self.model, rollout.tokens_NS[rows])
+            logprobs_NS = self.logprobs(rollout, rows)
             loss = clipped_loss(logprobs_NS, old_NS[rows], rollout.advantages_N[rows], mask_NS[rows], self.config.clip)
             self.updates += 1
             for group in self.optimizer.param_groups:
@@ -126,6 +201,8 @@ class Trainer:
             awake = max(awake, memory.resident_mb())
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             self.optimizer.step()
+            if self.mirror is not None:
+                self.mirror.load(self.checkpoint_weights())
             losses.append(loss.item())
         # While the engine runs, the trainer keeps only the weights and the optimizer's moments.
         self.optimizer.zero_grad(set_to_none=True)

@@ -180,6 +180,7 @@ def run_rl(options: RLOptions, on_step=lambda record: None) -> list[StepRecord]:
             seed=options.seed,
             enable_prefix_caching=options.prefix_caching,
             block_size=options.block_size,
+            batch_invariant=options.grpo.batch_invariant,
         ) as llm:
             held_mb = sum(sum(held.values()) for held in llm.memory_held_mb())
             records.append(StepRecord(0, accuracy=accuracy(llm, eval_set), engine_held_mb=held_mb))
@@ -299,6 +300,8 @@ def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> 
     bottom.set_yscale("symlog", linthresh=1e-9)  # log above 1e-9, and an exact 0 (most steps) still shows
     bottom.set_ylim(0, 1e-3)
     bottom.axhline(tolerance, color="red", ls="--", lw=0.8, label=f"tolerance {tolerance:g}")
+    if all(r.max_abs_dlogprob == 0 for r in steps):
+        bottom.text(0.5, 0.5, "max |Δ logprob| = 0.0 at every step", transform=bottom.transAxes, ha="center")
     bottom.set_ylabel("engine vs trainer, sampled tokens")
     bottom.set_xlabel("GRPO step")
     bottom.legend(loc="upper right")
@@ -328,10 +331,13 @@ def rl_command(args) -> int:
         seed=args.seed,
         prefix_caching=args.prefix_caching,
         model=Path(args.model) if args.model else WEAK_MODEL_DIR,
-        grpo=GRPOConfig(lr=args.lr),
+        # Batch-invariant: the trainer's logprobs are the engine's bit for bit, so any difference stops the run.
+        grpo=GRPOConfig(lr=args.lr, batch_invariant=args.batch_invariant,
+                        tolerance=0.0 if args.batch_invariant else GRPOConfig.tolerance),
     )
     title = (
-        f"GRPO on {options.layout.label()}, {options.moe_comm}{', compiled' if options.compile else ''}: "
+        f"GRPO on {options.layout.label()}, {options.moe_comm}{', compiled' if options.compile else ''}"
+        f"{', batch-invariant' if options.grpo.batch_invariant else ''}: "
         f"{options.problems} problems × {options.group} completions a step"
     )
     with Progress(

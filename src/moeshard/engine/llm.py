@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+from moeshard import kernels
 from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import worker
 from moeshard.engine.core import CoreLimits, EngineCore, EngineStats, RequestDelta
@@ -88,6 +89,15 @@ def checked_layout(
     return layout
 
 
+def check_batch_invariant() -> None:
+    """Batch-invariant mode runs every product on moeshard's CPU kernels: refuse it where they do not run."""
+    if not kernels.built():
+        raise ValueError(
+            "batch-invariant mode needs moeshard's CPU kernels: an x86 CPU with AVX512-BF16, a C++ compiler, "
+            "and MOESHARD_CPU_KERNELS not set to 0."
+        )
+
+
 class LLM(Inputs, EngineLifecycle):
     def __init__(
         self,
@@ -106,12 +116,15 @@ class LLM(Inputs, EngineLifecycle):
         block_size: int = 16,
         seed: int = 0,
         enable_prefix_caching: bool = True,
+        batch_invariant: bool = False,
     ):
         """`model`: a Hugging Face model directory; None: the bundled arithmetic model.
         `compile`: True (inductor) or a torch.compile backend name.
         `dtype`: "auto" (bf16 for a bf16 or fp16 checkpoint, else fp32), "bfloat16" or "float32".
         `enable_prefix_caching`: reuse the KV blocks of prompts seen before (keyed by the weights'
-        version too, so a weight change never serves a stale block)."""
+        version too, so a weight change never serves a stale block).
+        `batch_invariant`: a request's tokens and logprobs bitwise the same whatever else runs with
+        it (docs/DESIGN.md §11); needs moeshard's CPU kernels."""
         directory = Path(model) if model is not None else MODEL_DIR
         Inputs.__init__(self, directory, max_model_len, max_num_seqs, num_kv_blocks, block_size)
         cfg = self.config
@@ -119,11 +132,13 @@ class LLM(Inputs, EngineLifecycle):
             cfg, tensor_parallel_size, data_parallel_size, enable_expert_parallel, enable_sequence_parallel, moe_comm, dtype
         )
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
+        if batch_invariant:
+            check_batch_invariant()
         backend = "inductor" if compile is True else compile or None
         self.schema = WeightSchema.of(self.directory, cfg)
         self.dtype = self.schema.serving_dtype() if dtype == "auto" else dtype
         config = worker.WorkerConfig(
-            str(self.directory), self.layout, self.dtype, self.num_blocks, block_size, moe_comm, backend
+            str(self.directory), self.layout, self.dtype, self.num_blocks, block_size, moe_comm, backend, batch_invariant
         )
         self.init_lifecycle()
         self.ranks = open_ranks(self.layout, config)

@@ -22,6 +22,7 @@ from moeshard.models.model import load_model
 from moeshard.models.runner import ModelRunner
 from moeshard.moe.context import method_policy
 from moeshard.parallel import Layout, set_layout
+from moeshard.runtime import invariance
 
 
 @dataclass(frozen=True)
@@ -33,12 +34,14 @@ class WorkerConfig:
     block_size: int
     moe_comm: str
     compile_backend: str | None
+    batch_invariant: bool = False
 
 
 class Worker(RankLifecycle):
     def __init__(self, config: WorkerConfig):
         self.config, self.model_dir = config, config.model
         set_layout(config.layout)
+        invariance.set_batch_invariant(config.batch_invariant)  # before the model: its modules read it
         model = load_model(config.model, getattr(torch, config.dtype))
         force, policy = method_policy(config.moe_comm)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, policy, force, config.compile_backend)
@@ -53,6 +56,7 @@ class Worker(RankLifecycle):
         """Run this rank's DP group's chunks of the step (every rank, in lock-step); TP rank 0 of
         the group samples them and returns the encoded samples (moeshard.engine.plan)."""
         set_layout(self.config.layout)
+        invariance.set_batch_invariant(self.config.batch_invariant)  # another engine may share the process
         plan = decode_plan(plan_P)
         parallel = self.model.parallel
         group = plan.groups[parallel.dp_rank]

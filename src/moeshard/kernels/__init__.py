@@ -17,19 +17,23 @@ MOESHARD_CPU_KERNELS=0, the engine uses torch's ops.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeshard.runtime import derived
+from moeshard.runtime import derived, invariance
 
 PANEL = 64  # outputs per packed panel (four vectors of 16)
 # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it they run on one thread.
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+_STALE_LOCK_S = 600  # a build takes ~20 s
 log = logging.getLogger(__name__)
 
 
@@ -41,9 +45,20 @@ def built() -> bool:
     from torch.utils import cpp_extension
 
     source = Path(__file__).with_name("cpu.cpp")
+    # One build directory per source, flags, torch and Python: two checkouts (or versions) never rebuild each
+    # other's library. A build lock older than any build is a killed build's: cpp_extension would
+    # wait on it forever.
+    built_by = f"{' '.join(_FLAGS)} torch {torch.__version__} python {sys.version}"
+    digest = hashlib.sha256(source.read_bytes() + built_by.encode()).hexdigest()[:16]
+    directory = Path(cpp_extension.get_default_build_root()) / f"moeshard_cpu_{digest}"
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        log.warning("moeshard: removing a stale kernel build lock (%s)", lock)
+        lock.unlink(missing_ok=True)
     try:
         cpp_extension.load("moeshard_cpu", [str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                           is_python_module=False)
+                           build_directory=str(directory), is_python_module=False)
     except Exception as exc:  # no compiler, no ninja: serve with torch's ops rather than not at all
         log.warning("moeshard: the CPU kernels did not build (%s); using torch's ops", exc)
         return False
@@ -135,6 +150,11 @@ def register_packed(owner: nn.Module, attr: str, weight: torch.Tensor, packer=pa
     owner.register_buffer(attr, None, persistent=False)
     if serves(weight):
         derived.register(owner, attr, functools.partial(packer, weight), in_place=True)
+    elif invariance.batch_invariant():
+        raise ValueError(
+            f"batch-invariant mode runs every product on moeshard's CPU kernels, which cannot take "
+            f"{type(owner).__name__}.{attr}'s weight ({list(weight.shape)}, {weight.dtype}, {weight.device})."
+        )
 
 
 def register_swiglu(owner: nn.Module, gate_up: torch.Tensor, down: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from moeshard.models.layers import RMSNorm, Rotary, TPComm, block, size
 from moeshard.models.loader import Alloc, Block
 from moeshard.parallel.layout import LayoutError
 from moeshard.parallel.state import ParallelState
+from moeshard.runtime import invariance
 
 
 def check_heads(att: AttentionConfig, tp: int) -> None:
@@ -158,6 +159,12 @@ class LatentAttention(AttentionBase):
         )
         self.w_uk_Hnc = alloc((H, nope, C), Block(**kv_b, pick=(slice(None), slice(0, nope))))
         self.w_uv_Hec = alloc((H, Dv, C), Block(**kv_b, pick=(slice(None), slice(nope, None))))
+        # Batch-invariant mode: the per-head products on moeshard.kernels (einsum's bmm may choose
+        # its kernel by the batch), weights packed per head.
+        self.per_head_kernels = invariance.batch_invariant()
+        if self.per_head_kernels:
+            kernels.register_packed(self, "packed_uk_Hcn", self.w_uk_Hnc, lambda w, out=None: kernels.pack(w.transpose(1, 2), out))
+            kernels.register_packed(self, "packed_uv_Hec", self.w_uv_Hec)
         self.add_o_proj(alloc, prefix, cfg)
 
     def cache_spec(self) -> CacheSpec:
@@ -172,8 +179,18 @@ class LatentAttention(AttentionBase):
         latent_Tc, k_rope_Tr = self.kv_a_proj(x_TD).split([att.kv_lora_rank, att.qk_rope_head_dim], -1)
         latent_T1c = self.kv_a_norm(latent_Tc).unsqueeze(1)
         k_rope_T1r = rotary(k_rope_Tr.unsqueeze(1), positions_T)
-        q_latent_THc = torch.einsum("thn,hnc->thc", q_nope_THn, self.w_uk_Hnc)
+        if self.per_head_kernels:
+            q_latent_THc = per_head(q_nope_THn, self.packed_uk_Hcn, att.kv_lora_rank)
+        else:
+            q_latent_THc = torch.einsum("thn,hnc->thc", q_nope_THn, self.w_uk_Hnc)
         q_THd = torch.cat([q_latent_THc, rotary(q_rope_THr, positions_T)], dim=-1)
         k_T1d = torch.cat([latent_T1c, k_rope_T1r], dim=-1)
         o_latent_THc = kv_cache.paged_attention(q_THd, k_T1d, latent_T1c, self.name)
+        if self.per_head_kernels:
+            return self.project_out(per_head(o_latent_THc, self.packed_uv_Hec, att.v_head_dim))
         return self.project_out(torch.einsum("thc,hec->the", o_latent_THc, self.w_uv_Hec))
+
+
+def per_head(x_THi: torch.Tensor, packed_H: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Head h of `x_THi` times head h of a per-head packed weight: [T, H, out_features]."""
+    return torch.stack([kernels.linear(x_THi[:, h], packed_H[h], out_features) for h in range(x_THi.shape[1])], 1)

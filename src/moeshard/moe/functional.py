@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from moeshard import kernels
+from moeshard.runtime import invariance
+from moeshard.runtime.graph import serving_op
 
 
 def swiglu(x_TD: torch.Tensor, gate_up_FD: torch.Tensor, down_DI: torch.Tensor, packed=None) -> torch.Tensor:
@@ -20,3 +22,21 @@ def swiglu(x_TD: torch.Tensor, gate_up_FD: torch.Tensor, down_DI: torch.Tensor, 
 def pad_rows(x_TD: torch.Tensor, rows: int) -> torch.Tensor:
     """Zero rows appended up to `rows`."""
     return F.pad(x_TD, (0, 0, 0, rows - x_TD.shape[0]))
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`torch.sigmoid`; in batch-invariant mode `fixed_sigmoid`."""
+    return fixed_sigmoid(x) if invariance.batch_invariant() else torch.sigmoid(x)
+
+
+@serving_op("moeshard::fixed_sigmoid")
+def fixed_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`1 / (1 + exp(-x))`, as one opaque call: torch's CPU sigmoid rounds differently in its vector
+    loop and in its scalar tail, so an element's value would follow its place in the batch (its exp
+    does not), and a compiler's own exp rounds differently from eager's."""
+    return 1 / (1 + torch.exp(-x))
+
+
+@fixed_sigmoid.register_fake
+def _(x):
+    return torch.empty_like(x)

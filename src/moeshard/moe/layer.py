@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moeshard.runtime import derived
+from moeshard.runtime import derived, invariance
 from moeshard.runtime.graph import serving_op
 from moeshard.moe.config import MoEConfig
 from moeshard.moe.context import get_forward_context
@@ -70,6 +70,7 @@ class MoELayer(nn.Module):
         self.dtype = dtype
         shard, device = RankShard.of(cfg, parallel), parallel.device
         self.router = Router(cfg.router, cfg.num_experts, cfg.hidden, device)
+        self.invariant = invariance.batch_invariant()
         self.experts = GroupedExperts(len(shard.experts), cfg.hidden, cfg.intermediate // shard.parts, dtype, device)
         self.shared = SharedExperts(cfg, shard, parallel, dtype) if cfg.has_shared else None
         if weights is not None:
@@ -121,7 +122,10 @@ class MoELayer(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         self.check_input(x_TD)
-        topk_ids_TK, topk_weights_TK = self.router(x_TD)
+        if self.invariant:
+            topk_ids_TK, topk_weights_TK = fixed_route(x_TD, self.name)
+        else:
+            topk_ids_TK, topk_weights_TK = self.router(x_TD)
         routed_TD = routed_experts(x_TD, topk_ids_TK, topk_weights_TK, self.name)
         if self.plan.routed_early:
             routed_TD = self.reduce(routed_TD, Point.ROUTED_EARLY)
@@ -139,6 +143,19 @@ class MoELayer(nn.Module):
 
     def reduce(self, x: torch.Tensor, point: Point) -> torch.Tensor:
         return reduce_at(x, point, self.plan, self.parallel.layout.sp)
+
+
+@serving_op("moeshard::fixed_route")
+def fixed_route(x_TD: torch.Tensor, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router, as one opaque call: in batch-invariant mode its softmax, top-k and sums run as
+    eager torch computes them (per row), never as a compiler re-derives them."""
+    return get_layer(layer_name).router(x_TD)
+
+
+@fixed_route.register_fake
+def _(x_TD, layer_name):
+    K = get_layer(layer_name).cfg.router.top_k
+    return x_TD.new_empty((x_TD.shape[0], K), dtype=torch.int64), x_TD.new_empty((x_TD.shape[0], K), dtype=torch.float32)
 
 
 @serving_op("moeshard::routed_experts")

@@ -9,8 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeshard import kernels
 from moeshard.moe.config import RouterConfig
+from moeshard.moe.functional import sigmoid
 from moeshard.moe.weights import empty_param
+from moeshard.runtime import invariance
 
 
 def route(logits_TE: torch.Tensor, cfg: RouterConfig, score_bias_E: torch.Tensor | None = None):
@@ -20,7 +23,7 @@ def route(logits_TE: torch.Tensor, cfg: RouterConfig, score_bias_E: torch.Tensor
     the weights come from the unbiased scores.
     """
     T, E = logits_TE.shape
-    scores_TE = logits_TE.softmax(dim=-1) if cfg.scoring == "softmax" else logits_TE.sigmoid()
+    scores_TE = logits_TE.softmax(dim=-1) if cfg.scoring == "softmax" else sigmoid(logits_TE)
     choice_TE = scores_TE if score_bias_E is None else scores_TE + score_bias_E
     if cfg.n_group > 1:
         choice_TGe = choice_TE.view(T, cfg.n_group, E // cfg.n_group)
@@ -45,6 +48,16 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight_ED = empty_param((num_experts, hidden), torch.float32, device)
         self.score_bias_E = empty_param((num_experts,), torch.float32, device) if cfg.score_bias else None
+        # Batch-invariant mode: the logits on moeshard.kernels, whose rows do not depend on the batch
+        # (torch's fp32 `mm` does); the MoE layer then routes outside compiled code.
+        if invariance.batch_invariant():
+            kernels.register_packed(self, "packed_ED", self.weight_ED)
+        else:
+            self.packed_ED = None
 
     def forward(self, x_TD: torch.Tensor):
-        return route(x_TD.float() @ self.weight_ED.T, self.cfg, self.score_bias_E)
+        if self.packed_ED is not None:
+            logits_TE = kernels.linear(x_TD.float(), self.packed_ED, self.weight_ED.shape[0])
+        else:
+            logits_TE = x_TD.float() @ self.weight_ED.T
+        return route(logits_TE, self.cfg, self.score_bias_E)

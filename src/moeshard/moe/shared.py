@@ -14,10 +14,11 @@ from torch import nn
 
 from moeshard.moe.config import MoEConfig, SharedLayout
 from moeshard import kernels
-from moeshard.moe.functional import pad_rows, swiglu
+from moeshard.moe.functional import pad_rows, sigmoid, swiglu
 from moeshard.moe.weights import RankShard, empty_param
 from moeshard.parallel import ops
 from moeshard.parallel.state import ParallelState
+from moeshard.runtime import invariance
 
 
 class SharedExperts(nn.Module):
@@ -31,12 +32,20 @@ class SharedExperts(nn.Module):
         self.gate_up_FD, self.down_DI = empty_param((2 * S, D), dtype, device), empty_param((D, S), dtype, device)
         kernels.register_swiglu(self, self.gate_up_FD, self.down_DI)
         self.gate_1D = empty_param((1, D), dtype, device) if cfg.shared_gate else None
+        if self.gate_1D is not None and invariance.batch_invariant():  # see moeshard.moe.router
+            kernels.register_packed(self, "packed_gate_1D", self.gate_1D)
+        else:
+            self.packed_gate_1D = None
 
     def mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
         y_TD = swiglu(x_TD, self.gate_up_FD, self.down_DI, (self.gate_up_packed, self.down_packed))
         if self.gate_1D is not None:
             # A per-token scalar, so it may multiply a partial sum before the reduction.
-            y_TD = y_TD * torch.sigmoid(x_TD @ self.gate_1D.T)
+            if self.packed_gate_1D is not None:
+                gate_T1 = kernels.linear(x_TD, self.packed_gate_1D, 1)
+            else:
+                gate_T1 = x_TD @ self.gate_1D.T
+            y_TD = y_TD * sigmoid(gate_T1)
         return y_TD
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:

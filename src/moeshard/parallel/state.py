@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moeshard.runtime import invariance
 from moeshard.parallel.layout import Layout
 
 # A collective that waits longer than this raises instead of hanging (a peer died).
@@ -132,8 +133,11 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over `group`, out of place."""
+    n = group_size(group)
+    if n > 1 and invariance.batch_invariant():
+        return ordered_sum(all_gather(x, group).view(n, *x.shape))
     out = x.clone()
-    if group_size(group) > 1:
+    if n > 1:
         dist.all_reduce(out, group=group)
     return out
 
@@ -153,8 +157,19 @@ def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     n = group_size(group)
     if n == 1:
         return x.clone()
+    if invariance.batch_invariant():  # each rank's chunk j goes to rank j, then a rank-ordered sum
+        return ordered_sum(all_to_all(x, group).view(n, x.shape[0] // n, *x.shape[1:]))
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
     dist.reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+def ordered_sum(parts_W: torch.Tensor) -> torch.Tensor:
+    """parts[0] + parts[1] + … in rank order: the same rounding whatever the collective's algorithm
+    (gloo's and NCCL's split a buffer into chunks by its size, so their order follows the batch)."""
+    out = parts_W[0].clone()
+    for part in parts_W[1:]:
+        out += part
     return out
 
 

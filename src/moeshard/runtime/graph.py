@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from moeshard.runtime import invariance
+
 
 def serving_op(name: str) -> Callable:
     """Define `fn` as the custom op `name` (no mutated arguments), which compiled graphs keep as one
@@ -39,9 +41,9 @@ def compile_for_serving(module: torch.nn.Module, backend: str = "inductor") -> t
     code, so the Dynamo cache is cleared first: one compiled module per process at a time.
     """
     torch._dynamo.reset()
-    return torch.compile(
-        module,
-        dynamic=True,
-        backend=backend,
-        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
-    )
+    options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    if backend == "inductor" and invariance.batch_invariant():
+        # Keep eager's rounding between fused low-precision ops, and reductions whose split does not
+        # follow the batch: compiled then equals eager bit for bit.
+        options |= {"emulate_precision_casts": True, "batch_invariant": True}
+    return torch.compile(module, dynamic=True, backend=backend, options=options)

@@ -38,7 +38,7 @@ def serve_command(args: argparse.Namespace) -> int:
         enable_sequence_parallel=args.sp, moe_comm=args.moe_comm,
         compile=args.compile_backend if args.compile else False, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, batch_invariant=args.batch_invariant,
     )
     own_process = args.engine_process if args.engine_process is not None else not under_torchrun()
     if own_process and under_torchrun():

@@ -20,6 +20,7 @@ from moeshard.moe.context import check_method
 from moeshard.parallel import Layout
 
 GREEDY = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS)
+WITH_LOGPROBS = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, logprobs=0)  # the generated token's
 
 
 @dataclass
@@ -32,6 +33,9 @@ class EvalRow:
     accuracy: float
     identical_to_reference: bool
     outputs_sha256: str  # of every output text in prompt order: equal digests, equal outputs, across commands
+    # Every generated token's logprob equal, bit for bit, to this engine's first run (its lowest
+    # concurrency): held in batch-invariant mode; None where not measured (--url).
+    logprobs_identical: bool | None = None
 
 
 def run_eval(
@@ -43,6 +47,7 @@ def run_eval(
     model: str | None = None,
     on_row: Callable[[EvalRow], None] = lambda row: None,
     dtype: str = "auto",
+    batch_invariant: bool = False,
 ) -> list[EvalRow]:
     """`backends`: None for eager, else a torch.compile backend; each layout runs each of them."""
     if not 1 <= n <= HELD_OUT:
@@ -66,16 +71,20 @@ def run_eval(
                 compile=backend or False,
                 max_num_seqs=max(concurrencies),
                 dtype=dtype,
+                batch_invariant=batch_invariant,
             ) as llm:
                 for method in methods:
                     llm.set_moe_comm(method)
+                    first_logprobs = None
                     for concurrency in concurrencies:
-                        texts = [o.text for o in llm.generate(prompts, GREEDY, max_concurrency=concurrency)]
+                        outputs = llm.generate(prompts, WITH_LOGPROBS, max_concurrency=concurrency)
+                        texts, logprobs = [o.text for o in outputs], [o.logprobs for o in outputs]
                         reference = reference or texts
+                        first_logprobs = first_logprobs or logprobs
                         row = EvalRow(
                             layout.label(), method, backend is not None, concurrency, n,
                             exact_matches(texts, problems) / n,
-                            texts == reference, digest(texts),
+                            texts == reference, digest(texts), logprobs == first_logprobs,
                         )
                         rows.append(row)
                         on_row(row)

@@ -27,7 +27,7 @@ from moeshard.moe.experts import GroupedExperts
 from moeshard.moe.functional import pad_rows
 from moeshard.parallel import state
 from moeshard.parallel.state import ParallelState
-from moeshard.runtime import derived
+from moeshard.runtime import derived, invariance
 
 
 class MethodEnum(enum.Enum):
@@ -82,6 +82,14 @@ def build_expert_maps(num_experts: int, parallel: ParallelState) -> ExpertMaps:
 def sum_over_topk(y_PD: torch.Tensor, topk_weights_RK: torch.Tensor) -> torch.Tensor:
     """Pairs in (row, k) order → each row's weighted sum of its K expert outputs (in fp32)."""
     R, K = topk_weights_RK.shape
+    if invariance.batch_invariant():
+        # In k order, one pass per k: the order does not depend on which rank computed a pair or
+        # on the batch (bmm's kernel choice may follow the shapes).
+        y_RKD, w_RK = y_PD.view(R, K, -1), topk_weights_RK.float()
+        y_RD = y_RKD[:, 0].float() * w_RK[:, :1]
+        for k in range(1, K):
+            y_RD += y_RKD[:, k].float() * w_RK[:, k : k + 1]
+        return y_RD.to(y_PD.dtype)
     # One batched [1, K] @ [K, D] per row: a single pass over the pairs, no [R, K, D] temporary.
     y_R1D = torch.bmm(topk_weights_RK.float().unsqueeze(1), y_PD.view(R, K, -1).float())
     return y_R1D.squeeze(1).to(y_PD.dtype)
