@@ -81,7 +81,8 @@ def test_eval_identical_everywhere(tmp_path, layouts, methods):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert all(
-        set(r) == {"layout", "method", "compiled", "concurrency", "n", "accuracy", "identical_to_reference", "outputs_sha256"}
+        set(r) == {"layout", "method", "compiled", "concurrency", "n", "accuracy", "identical_to_reference", "outputs_sha256",
+               "logprobs_identical"}
         for r in rows
     )
     n_layouts, n_methods = len(layouts.split(",")), len(methods.split(","))

@@ -69,3 +69,45 @@ def test_batch_invariant_mode_needs_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "built", lambda: False)
     with pytest.raises(ValueError, match="batch-invariant mode needs moeshard's CPU kernels"):
         LLM(batch_invariant=True)
+
+
+def test_serve_batch_invariant_streams_the_same_bits_alone_and_together(tmp_path):
+    """Over HTTP (the engine in its own process): each completion's logprobs are the same bits sent
+    alone and among concurrent requests, and equal to the offline engine's in the same mode."""
+    import asyncio
+    import os
+
+    import openai
+    from processes import free_port, stop_tree, wait_listening
+
+    from moeshard.bundled.arithmetic import held_out
+
+    prompts = [p.prompt for p in held_out(6)]
+    port, log = free_port(), tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moeshard", "serve", "--port", str(port), "--batch-invariant", "--dtype", "float32"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_listening(port, proc, 300, "moeshard serve --batch-invariant")
+
+        async def complete(client, prompt):
+            model = (await client.models.list()).data[0].id
+            got = await client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=6, logprobs=1)
+            return got.choices[0].logprobs.token_logprobs
+
+        async def run():
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                          timeout=120) as client:
+                alone = [await complete(client, p) for p in prompts]
+                together = await asyncio.gather(*(complete(client, p) for p in prompts))
+            return alone, list(together)
+
+        alone, together = asyncio.run(run())
+    finally:
+        assert stop_tree(proc, timeout_s=60) == (0, []), log.read_text()[-3000:]
+    assert alone == together
+    with LLM(dtype="float32", batch_invariant=True) as llm:
+        offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=0))
+    assert [[next(iter(top.values())) for top in o.logprobs] for o in offline] == alone
