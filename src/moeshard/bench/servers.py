@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -60,9 +61,20 @@ PEERS = ("transformers", "vllm", *list(MOESHARD_FLAGS)[1:])  # what `bench serve
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768 and up). A port from bind(0) is an ephemeral
+    one, which the kernel may hand to another process's socket (a gloo or c10d listener of the
+    engine's ranks) before the server binds it: the server then cannot bind, and a client probing
+    the port meets that socket (seen once in CI: the first /health reset by peer)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32767 on 127.0.0.1.")
 
 
 def process_tree(root: int) -> list[int]:
