@@ -45,6 +45,7 @@ class Readiness:
 
     is_sleeping: bool = False
     not_ready: str | None = None  # why no request can run now
+    paused: str | None = None  # the pause_generation mode in force: abort, wait or keep
 
 
 class Sink(Protocol):
@@ -56,8 +57,18 @@ class Sink(Protocol):
     def fail(self, error: BaseException) -> None: ...  # the engine is lost for good
 
 
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
 class EngineLoop:
-    """The thread that owns `llm.core`; everything else reaches the core through it."""
+    """The thread that owns `llm.core`; everything else reaches the core through it.
+
+    Control calls name a method of the LLM, run between two steps, except the loop's own two:
+    `pause_generation(mode)` stops stepping (abort: requests in flight end with reason "abort";
+    wait: they finish first, and the call returns once they have; keep: they stay parked with their
+    KV blocks) and `continue_generation()` resumes. Requests that arrive during a pause are held,
+    and admitted by the continue.
+    """
 
     def __init__(self, llm, sink: Sink):
         self.llm, self.core, self.sink = llm, llm.core, sink
@@ -67,6 +78,9 @@ class EngineLoop:
         self.calls: list[tuple[int, str, tuple]] = []
         self.lost: BaseException | None = None  # a rank lost while the loop may be idle
         self.closing = False
+        self.paused: str | None = None  # the pause mode in force
+        self.draining: int | None = None  # the call id of a pause(mode=wait) whose requests still run
+        self.held: list[tuple[int, list[int], SamplingParams, str | None]] = []  # arrived during a pause
         llm.on_rank_lost(self.notice_loss)
         self.thread = threading.Thread(target=self.run, name="moeshard-engine", daemon=True)
         self.thread.start()
@@ -105,18 +119,27 @@ class EngineLoop:
                 adds, aborts, calls, closing = self.take()
                 self.apply(adds, aborts, calls)
                 if closing:
+                    self.paused = None
+                    self.abort_held()
                     for request_id in self.core.live_request_ids():
                         self.core.abort(request_id)
                 if self.core.has_unfinished:
-                    self.sink.deliver(self.core.step())
+                    self.sink.deliver(self.core.take_finished() if self.paused else self.core.step())
+                if self.draining is not None and not self.core.live_request_ids():  # pause(mode=wait) takes effect
+                    self.paused, call_id, self.draining = "wait", self.draining, None
+                    self.resolve(call_id, True, None)
                 if closing and not self.core.has_unfinished:
                     return
         except BaseException as exc:  # a failed rank: the sink ends every request and call
             self.sink.fail(exc)
 
+    def has_work(self) -> bool:
+        """Anything for the loop to do without a new message: a step to run, or aborts to report."""
+        return self.core.has_unfinished and not (self.paused and not self.core.finished)
+
     def take(self):
         with self.lock:
-            while not (self.adds or self.aborts or self.calls or self.closing or self.lost or self.core.has_unfinished):
+            while not (self.adds or self.aborts or self.calls or self.closing or self.lost or self.has_work()):
                 self.lock.wait()
             if self.lost is not None:
                 raise self.lost
@@ -125,19 +148,60 @@ class EngineLoop:
             return taken
 
     def apply(self, adds, aborts, calls) -> None:
+        if self.paused or self.draining is not None:
+            self.held += adds
+        else:
+            self.admit(adds)
+        for request_id in aborts:
+            self.core.abort(request_id)
+            self.abort_held(request_id)
+        for call_id, method, args in calls:
+            if method in ("pause_generation", "continue_generation"):
+                getattr(self, method)(call_id, *args)
+                continue
+            try:
+                ok, value = True, getattr(self.llm, method)(*args)
+            except Exception as exc:
+                ok, value = False, exc
+            self.resolve(call_id, ok, value)
+
+    def admit(self, adds) -> None:
         for request_id, ids, params, cache_salt in adds:
             if (reason := self.llm.not_ready()) is not None:  # a sleep may have run since the request's check
                 self.sink.refuse(request_id, reason)
                 continue
             self.core.add_request(ids, params, request_id, cache_salt)
-        for request_id in aborts:
-            self.core.abort(request_id)
-        for call_id, method, args in calls:
-            try:
-                ok, value = True, getattr(self.llm, method)(*args)
-            except Exception as exc:
-                ok, value = False, exc
-            self.sink.resolve(call_id, ok, value, Readiness(self.llm.is_sleeping, self.llm.not_ready()))
+
+    def abort_held(self, request_id: int | None = None) -> None:
+        """End held requests (`request_id`, or all) before they ever ran."""
+        ended = [add[0] for add in self.held if request_id in (None, add[0])]
+        self.held = [add for add in self.held if add[0] not in ended]
+        if ended:
+            self.sink.deliver([RequestDelta(rid, finished=True, finish_reason="abort") for rid in ended])
+
+    def resolve(self, call_id: int, ok: bool, value) -> None:
+        readiness = Readiness(self.llm.is_sleeping, self.llm.not_ready(), self.paused)
+        self.sink.resolve(call_id, ok, value, readiness)
+
+    def pause_generation(self, call_id: int, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            return self.resolve(call_id, False, ValueError(f"mode must be abort, wait or keep, got {mode!r}."))
+        if mode == "abort":
+            for request_id in self.core.live_request_ids():
+                self.core.abort(request_id)
+        if mode == "wait" and self.core.live_request_ids():
+            self.draining = call_id  # `run` settles the call once they have finished
+            return
+        self.paused = mode
+        self.resolve(call_id, True, None)
+
+    def continue_generation(self, call_id: int) -> None:
+        if self.draining is not None:  # a pause still waiting for its requests is called off
+            self.resolve(self.draining, False, RuntimeError("continue_generation was called before the pause took effect."))
+        self.paused = self.draining = None
+        held, self.held = self.held, []
+        self.admit(held)
+        self.resolve(call_id, True, None)
 
 
 class AsyncLLM:

@@ -23,6 +23,8 @@ from moeshard.engine.scheduler import Request, Scheduled, Scheduler, Status, Sto
 from moeshard.models.runner import Chunk
 from moeshard.parallel import Layout
 
+INITIAL_VERSION = "default"  # the weight version of the model directory's weights (SGLang's name for them)
+
 
 @dataclass
 class RequestDelta:
@@ -35,6 +37,7 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    weight_version: str = ""  # the weights that produced it: the same for every delta of a request
 
 
 @dataclass
@@ -98,6 +101,8 @@ class EngineCore:
         self.announced: set[int] = set()  # requests whose sampler the ranks hold
         self.forget: list[int] = []  # finished requests whose samplers the next step drops
         self.stats = StepStats()
+        # Stamped on each request as it arrives: weights change only while none is in flight.
+        self.weight_version = INITIAL_VERSION
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None, cache_salt: str | None = None
@@ -108,7 +113,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already in use.")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_generator))
-        request = Request(request_id, list(prompt_ids), params, seed, cache_salt=cache_salt)
+        request = Request(request_id, list(prompt_ids), params, seed, cache_salt=cache_salt, weight_version=self.weight_version)
         group = min(self.groups, key=lambda g: len(g.waiting) + len(g.running))
         group.add(request)
         self.requests[request_id] = (request, group)
@@ -136,6 +141,11 @@ class EngineCore:
         for group in self.groups:
             group.blocks.reset()
 
+    def take_finished(self) -> list[RequestDelta]:
+        """The deltas of requests aborted since the last step, without stepping."""
+        deltas, self.finished = self.finished, []
+        return deltas
+
     @property
     def has_unfinished(self) -> bool:
         return any(g.has_work for g in self.groups) or bool(self.finished)
@@ -158,7 +168,7 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """One step of every DP group (an idle group still steps, so collectives stay matched)."""
-        deltas, self.finished = self.finished, []
+        deltas = self.take_finished()
         if not any(g.has_work for g in self.groups):
             return deltas
         start, forward_s = time.perf_counter(), self.ranks.forward_s
@@ -205,7 +215,8 @@ class EngineCore:
             text = text[: max(chars_out, len(text) - max(len(s) for s in request.params.stop) + 1)]
         new_ids = request.output_ids[tokens_out:]
         delta = RequestDelta(
-            request.id, new_ids, text[chars_out:], None, finished, request.finish_reason, request.cached_tokens
+            request.id, new_ids, text[chars_out:], None, finished, request.finish_reason, request.cached_tokens,
+            request.weight_version,
         )
         if request.params.logprobs is not None:
             delta.logprobs = [s.top_logprobs | {s.token: s.logprob} for s in request.samples[tokens_out:]]

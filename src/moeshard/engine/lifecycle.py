@@ -13,13 +13,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
+from moeshard.engine.core import INITIAL_VERSION
 from moeshard.models.checkpoint import Checkpoint, TensorDict
 from moeshard.models.model import part_of, unused_by_design
 from moeshard.runtime import derived, memory
 
 TAGS = ("weights", "kv_cache")
+UPDATE_IN_FLIGHT = "they would mix two sets of weights: pause generation first, or abort them (abort_all_requests)"
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,19 @@ class WeightSchema:
         if tensor.dtype != dtype:
             raise ValueError(f"update tensor {name!r} is {tensor.dtype}; the model's is {dtype}; nothing was written.")
 
-    def check(self, named_tensors) -> dict[str | int, dict[str, torch.Tensor]]:
-        """The update grouped by model part, or a ValueError naming the first offending tensor."""
+    def check_announced(self, metas) -> None:
+        """`check` for tensors announced by name, dtype and shape (a broadcast still to come): any
+        subset of the weights, each once."""
+        seen = set()
+        for meta in metas:
+            self.check_one(meta.name, torch.empty(meta.shape, dtype=meta.dtype, device="meta"))
+            if meta.name in seen:
+                raise ValueError(f"update tensor {meta.name!r} appears twice; nothing was written.")
+            seen.add(meta.name)
+
+    def check(self, named_tensors, complete: bool = True) -> dict[str | int, dict[str, torch.Tensor]]:
+        """The update grouped by model part, or a ValueError naming the first offending tensor.
+        `complete`: it must carry every weight (else the weights it does not name keep their values)."""
         buckets: dict[str | int, dict[str, torch.Tensor]] = {}
         stream, count = iter(named_tensors), 0
         while True:
@@ -73,7 +87,7 @@ class WeightSchema:
                 raise ValueError(f"update tensor {name!r} appears twice; nothing was written.")
             part[name] = tensor
         missing = [n for n in self.tensors if n not in buckets.get(part_of(n), {})]
-        if missing:
+        if missing and complete:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise ValueError(
                 f"the update ended without {missing[0]!r}{more}: an update carries every weight; nothing was written."
@@ -91,6 +105,16 @@ class EngineLifecycle:
         self.weights_lost = False  # sleep(level=2) dropped the weights; reload before generating
         # Negative controls only: with the rebuild off, derived tensors stay as the wake left them.
         self.rebuild_derived = os.environ.get("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD") != "1"
+        self.weight_version = INITIAL_VERSION  # names the weights every request is answered with
+
+    def quiesce(self, abort_running: bool, otherwise: str) -> None:
+        """No request may straddle a change of weights or memory: those in flight (running, waiting,
+        or parked by a pause) refuse the change, or with `abort_running` are aborted."""
+        live = self.core.live_request_ids()
+        if live and not abort_running:
+            raise RuntimeError(f"{len(live)} requests are in flight; {otherwise}.")
+        for request_id in live:
+            self.core.abort(request_id)
 
     def sleep(self, level: int = 1, abort_running: bool = False) -> list[float]:
         """Release memory for a colocated trainer: level 1 backs the weights up to the host, level 2
@@ -100,11 +124,7 @@ class EngineLifecycle:
             raise ValueError(f"sleep level must be 1 or 2, got {level}.")
         if self.released:
             raise RuntimeError("the engine is already asleep; call wake_up() first.")
-        live = self.core.live_request_ids()
-        if live and not abort_running:
-            raise RuntimeError(f"{len(live)} requests are in flight; sleep with mode=abort or mode=wait, or retry when idle.")
-        for request_id in live:
-            self.core.abort(request_id)
+        self.quiesce(abort_running, "sleep with mode=abort or mode=wait, or retry when idle")
         self.core.reset_prefix_cache()  # the KV cache's memory goes
         if level == 2:
             self.core.weights_changed()
@@ -128,37 +148,67 @@ class EngineLifecycle:
         self.released -= set(tags)
         return rss
 
-    def reload_weights(self) -> None:
+    def reload_weights(self, weight_version: str | None = None, abort_running: bool = False) -> None:
         """Read the weights from the model directory again (after sleep(level=2), or to undo updates)."""
         self.check_weights_present()
+        self.quiesce(abort_running, UPDATE_IN_FLIGHT)
         self.core.weights_changed()
-        self.ranks.call("reload_weights", self.rebuild_derived)
-        self.weights_lost = False
+        self.ranks.call("reload_weights")
+        self.weights_written(weight_version or INITIAL_VERSION)
 
-    def update_weights(self, named_tensors) -> int | None:
-        """Take new weights: an iterable of (checkpoint name, full tensor) covering every weight.
+    def update_weights(
+        self, named_tensors, weight_version: str | None = None, abort_running: bool = False, complete: bool = True
+    ) -> int | None:
+        """Take new weights: an iterable of (checkpoint name, full tensor) covering every weight
+        (with `complete=False`, any of them: the others keep their values).
 
         Every name, shape and dtype is checked before anything is written; a refused update leaves
-        the old weights (and the generation) as they were. Then each part of the model (a layer, the
-        embedding, …) is written in turn, straight into the parameters, each rank its own blocks.
-        Derived tensors are rebuilt; returns the new generation.
+        the old weights (and the generation) as they were. Requests in flight refuse it (no request
+        mixes two sets of weights), or with `abort_running` are aborted. Then each part of the model
+        (a layer, the embedding, …) is written in turn, straight into the parameters, each rank its
+        own blocks. Derived tensors are rebuilt; `weight_version` (if given) names the new weights
+        from here on. Returns the new generation.
         """
         self.check_weights_present()
-        parts = self.schema.check(named_tensors)
+        parts = self.schema.check(named_tensors, complete)
+        self.quiesce(abort_running, UPDATE_IN_FLIGHT)
         self.core.weights_changed()
         for part, tensors in parts.items():
-            self.ranks.call("update_part", part, tensors)
+            self.ranks.call("update_part", part, tensors, complete)
+        return self.weights_written(weight_version)
+
+    def weights_written(self, weight_version: str | None) -> int | None:
+        """After new weights are in the parameters: rebuild the derived tensors, name the version."""
         generation = self.ranks.call("rebuild_derived")[0] if self.rebuild_derived else None
         self.weights_lost = False
+        if weight_version is not None:
+            self.weight_version = self.core.weight_version = weight_version
         return generation
 
-    def update_weights_from_disk(self, directory: str | Path) -> int | None:
+    def update_weights_from_disk(
+        self, directory: str | Path, weight_version: str | None = None, abort_running: bool = False
+    ) -> int | None:
         """`update_weights` from a checkpoint directory of this model's architecture (the same
         checks: a checkpoint that does not fit is refused before anything is written)."""
         if not Path(directory).is_dir():
             raise ValueError(f"{directory} is not a directory.")
         ckpt = Checkpoint(directory)
-        return self.update_weights((name, ckpt.block(name, ())) for name in ckpt.handles if name in self.schema.tensors)
+        named = ((name, ckpt.block(name, ())) for name in ckpt.handles if name in self.schema.tensors)
+        return self.update_weights(named, weight_version, abort_running)
+
+    def update_weights_from_tensor(
+        self, serialized_named_tensors: bytes | list[bytes], weight_version: str | None = None, abort_running: bool = False
+    ) -> int | None:
+        """`update_weights` from safetensors payloads (never pickle: the bytes cannot run code), one or
+        several; together they name any of the weights, each once."""
+        payloads = [serialized_named_tensors] if isinstance(serialized_named_tensors, bytes) else serialized_named_tensors
+        named = []
+        for i, payload in enumerate(payloads):
+            try:
+                named += safetensors.torch.load(payload).items()
+            except Exception as exc:  # safetensors says what is wrong with the bytes
+                raise ValueError(f"payload {i} is not a safetensors file ({exc}); nothing was written.") from None
+        return self.update_weights(named, weight_version, abort_running, complete=False)
 
     @property
     def is_sleeping(self) -> bool:
@@ -260,19 +310,18 @@ class RankLifecycle:
             self.asleep = None
         return memory.resident_mb()
 
-    def reload_weights(self, rebuild_derived: bool = True) -> None:
-        """Read the weights from the model directory again, a part at a time, into the parameters."""
+    def reload_weights(self) -> None:
+        """Read the weights from the model directory again, a part at a time, into the parameters
+        (the driver has the derived tensors rebuilt next)."""
         model = self.runner.model
         source = Checkpoint(self.model_dir)
         for part in model.parts():
             model.load_part(source, part)
-        if rebuild_derived:
-            self.rebuild_derived()
 
-    def update_part(self, part: str | int, tensors: dict[str, torch.Tensor]) -> None:
-        """Write one part's new full tensors into the parameters (the driver checked them)."""
-        model = self.runner.model
-        model.load_part(TensorDict(tensors), part)
+    def update_part(self, part: str | int, tensors: dict[str, torch.Tensor], complete: bool = True) -> None:
+        """Write one part's new full tensors into the parameters (the driver checked them); with
+        `complete=False` the part's tensors not among them keep their values."""
+        self.runner.model.load_part(TensorDict(tensors, partial=not complete), part)
 
     def rebuild_derived(self) -> int:
         return derived.rebuild(self.runner.model.derived_owners())

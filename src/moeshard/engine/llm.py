@@ -22,6 +22,7 @@ from moeshard.engine.lifecycle import EngineLifecycle, WeightSchema
 from moeshard.engine.ranks import LocalRanks, Ranks
 from moeshard.engine.sampling import SamplingParams
 from moeshard.engine.scheduler import StopRules
+from moeshard.engine.weight_sync import EngineWeightSync
 from moeshard.models.model import check_layout
 from moeshard.moe.context import check_method, method_policy
 from moeshard.parallel import Layout
@@ -37,9 +38,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort", or None on error
     error: str | None = None  # this request was refused; the others ran
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    weight_version: str | None = None  # the weights that produced it (see LLM.update_weights)
 
     def append(self, delta: RequestDelta) -> None:
-        self.num_cached_tokens = delta.cached_tokens
+        self.num_cached_tokens, self.weight_version = delta.cached_tokens, delta.weight_version
         self.text += delta.text
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
@@ -98,7 +100,7 @@ def check_batch_invariant() -> None:
         )
 
 
-class LLM(Inputs, EngineLifecycle):
+class LLM(Inputs, EngineLifecycle, EngineWeightSync):
     def __init__(
         self,
         model: str | None = None,
@@ -141,7 +143,9 @@ class LLM(Inputs, EngineLifecycle):
             str(self.directory), self.layout, self.dtype, self.num_blocks, block_size, moe_comm, backend, batch_invariant
         )
         self.init_lifecycle()
+        self.init_weight_sync()
         self.ranks = open_ranks(self.layout, config)
+        self.device = self.ranks.host.worker.model.parallel.device
         rules = StopRules(frozenset(self.eos), self.max_model_len, self.decode)
         limits = CoreLimits(self.num_blocks, block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching)
         self.core = EngineCore(self.ranks, self.layout, limits, rules, seed)
@@ -150,6 +154,14 @@ class LLM(Inputs, EngineLifecycle):
         """Run later steps with `method` (compiled graphs are reused: they serve every method)."""
         check_method(method_policy(method)[0], self.layout)
         self.ranks.call("set_method", method)
+
+    def get_model_info(self) -> dict:
+        """What a client checks before it trusts an answer: which weights, served how."""
+        return {
+            "model_path": str(self.directory), "weight_version": self.weight_version, "is_generation": True,
+            "dtype": self.dtype, "layout": self.layout.label(), "num_ranks": self.ranks.world_size,
+            "max_model_len": self.max_model_len,
+        }
 
     def reset_prefix_cache(self) -> None:
         """Free every cached KV block now (correctness never needs it: keys carry the weights' version)."""

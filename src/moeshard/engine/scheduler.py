@@ -41,6 +41,7 @@ class Request:
     cache_salt: str | None = None  # part of its blocks' keys: only requests with the same salt share them
     prefix: Prefix = Prefix()  # its blocks keyed in the prefix cache so far
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    weight_version: str = ""  # the weights it runs on (the engine's when it arrived)
 
     @property
     def tokens(self) -> list[int]:

@@ -18,6 +18,7 @@ import torch
 from moeshard.engine.lifecycle import RankLifecycle
 from moeshard.engine.plan import decode_plan, encode_samples
 from moeshard.engine.sampling import SamplingParams, sample_batch
+from moeshard.engine.weight_sync import RankWeightSync, WeightsGroup
 from moeshard.models.model import load_model
 from moeshard.models.runner import ModelRunner
 from moeshard.moe.context import method_policy
@@ -37,7 +38,7 @@ class WorkerConfig:
     batch_invariant: bool = False
 
 
-class Worker(RankLifecycle):
+class Worker(RankLifecycle, RankWeightSync):
     def __init__(self, config: WorkerConfig):
         self.config, self.model_dir = config, config.model
         set_layout(config.layout)
@@ -47,6 +48,7 @@ class Worker(RankLifecycle):
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, policy, force, config.compile_backend)
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}  # on TP rank 0: its group's requests
         self.forward_s = 0.0  # time in the model's forward, all steps
+        self.weight_groups: dict[str, WeightsGroup] = {}  # the trainers' groups this rank joined, by name
 
     @property
     def model(self):

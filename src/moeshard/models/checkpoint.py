@@ -65,6 +65,8 @@ class TensorSource:
     the model's.
     """
 
+    partial = False  # names only some tensors: a parameter reads the blocks it finds, keeps the rest
+
     def __init__(self, label: str):
         self.label = label
         self.read_names: set[str] = set()
@@ -96,9 +98,9 @@ class TensorSource:
 class TensorDict(TensorSource):
     """Tensors in memory (a weight update), read like a checkpoint; a block is a view, not a copy."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor], partial: bool = False):
         super().__init__("the update")
-        self.tensors = tensors
+        self.tensors, self.partial = tensors, partial
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -10,6 +10,8 @@ the engine, so a bad request never touches the others.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import secrets
 import time
@@ -37,8 +39,14 @@ from moeshard.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     FieldError,
+    DestroyWeightsGroupRequest,
+    InitWeightsGroupRequest,
+    PauseRequest,
     TokenizeRequest,
     UpdateFromDiskRequest,
+    UpdateFromDistributedRequest,
+    UpdateFromTensorRequest,
+    WeightUpdate,
     error_body,
     error_response,
     validation_message,
@@ -100,6 +108,7 @@ class Choice:
     finish_reason: str | None = None
     cache_salt: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    weight_version: str | None = None  # the weights that produced it
 
 
 class Server:
@@ -171,7 +180,7 @@ class Server:
                 choice.text += delta.text
                 choice.token_ids += delta.token_ids
                 choice.logprobs += delta.logprobs or []
-                choice.cached_tokens = delta.cached_tokens
+                choice.cached_tokens, choice.weight_version = delta.cached_tokens, delta.weight_version
                 if delta.finished:
                     choice.finish_reason, live = delta.finish_reason, live - 1
                 yield choice, delta
@@ -213,7 +222,8 @@ class Server:
                         offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
                     text = echo.pop(choice.index, "") + delta.text
                     yield {**head, "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
-                                                "finish_reason": delta.finish_reason}],
+                                                "finish_reason": delta.finish_reason,
+                                                "weight_version": delta.weight_version}],
                            **({"usage": None} if body.include_usage else {})}
                 if body.include_usage:
                     yield {**head, "choices": [], "usage": self.usage(choices)}
@@ -222,7 +232,8 @@ class Server:
         await cancel_on_disconnect(request, self.drain(self.run(choices)))
         return {**head, "choices": [
             {"index": c.index, "text": echo[c.index] + c.text, "finish_reason": c.finish_reason,
-             "logprobs": None if body.logprobs is None else self.completion_logprobs(c.token_ids, c.logprobs, len(echo[c.index]))}
+             "logprobs": None if body.logprobs is None else self.completion_logprobs(c.token_ids, c.logprobs, len(echo[c.index])),
+             "weight_version": c.weight_version}
             for c in choices
         ], "usage": self.usage(choices)}
 
@@ -260,7 +271,8 @@ class Server:
                     logprobs = self.chat_logprobs(delta.token_ids, delta.logprobs) if body.logprobs else None
                     content = {"content": delta.text} if delta.text or not delta.finished else {}
                     yield {**head_chunk, "choices": [{"index": choice.index, "delta": content, "logprobs": logprobs,
-                                                      "finish_reason": delta.finish_reason}], **usage}
+                                                      "finish_reason": delta.finish_reason,
+                                                      "weight_version": delta.weight_version}], **usage}
                 if body.include_usage:
                     yield {**head_chunk, "choices": [], "usage": self.usage(choices)}
 
@@ -268,7 +280,8 @@ class Server:
         await cancel_on_disconnect(request, self.drain(self.run(choices)))
         return {**head, "object": "chat.completion", "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-             "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None}
+             "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
+             "weight_version": c.weight_version}
             for c in choices
         ], "usage": self.usage(choices)}
 
@@ -339,10 +352,33 @@ class Server:
         await self.on_engine("sleep", level, mode == "abort")
         return {"is_sleeping": True}
 
+    async def update_weights(self, method: str, body: WeightUpdate, *args) -> dict:
+        """Run the LLM's weight update `method(*args, weight_version, abort_running)`. No request
+        mixes two sets of weights: with abort_all_requests those in flight are aborted; otherwise,
+        unless the caller paused generation, the update pauses it (mode wait: new requests are held,
+        those in flight finish, within sleep_wait_s) and continues it afterwards."""
+        update = (method, *args, body.weight_version, body.abort_all_requests)
+        if body.abort_all_requests or self.engine.readiness.paused:
+            generation = await self.on_engine(*update)
+        else:
+            try:
+                await asyncio.wait_for(self.on_engine("pause_generation", "wait"), self.settings.sleep_wait_s)
+            except TimeoutError:
+                await self.on_engine("continue_generation")
+                raise Refused(409, f"requests were still in flight after {self.settings.sleep_wait_s:g} s; the weights "
+                                   "were not updated: retry, pause generation, or abort them (abort_all_requests).") from None
+            try:
+                generation = await self.on_engine(*update)
+            finally:
+                await self.on_engine("continue_generation")
+        info = await self.on_engine("get_model_info")
+        return {"success": True, "generation": generation, "weight_version": info["weight_version"]}
+
     async def stats_text(self) -> bytes:
         async with self.scrape_lock:
             if self.engine.error is None:
                 self.metrics.engine.stats = await self.engine.call("stats")
+            self.metrics.paused.labels(self.settings.model_name).set(self.engine.readiness.paused is not None)
             return generate_latest(self.metrics.registry)
 
 
@@ -428,7 +464,8 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
     async def health():
         if engine.error is not None:  # from the moment the engine knows, idle or busy
             return error_response(503, f"the engine stopped: {engine.error}")
-        return Response(status_code=200)
+        paused = engine.readiness.paused
+        return {"status": "ok"} if paused is None else {"status": "paused", "mode": paused}
 
     @app.get("/version")
     async def version():
@@ -464,6 +501,14 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         return await server.chat(body, request)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return await server.on_engine("get_model_info")
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": (await server.on_engine("get_model_info"))["weight_version"]}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
@@ -502,10 +547,43 @@ def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDiskRequest):
-        generation = await server.on_engine("update_weights_from_disk", body.model_path)
-        return {"success": True, "generation": generation}
+        return await server.update_weights("update_weights_from_disk", body, body.model_path)
 
     @app.post("/reload_weights")
-    async def reload_weights():
-        await server.on_engine("reload_weights")
+    async def reload_weights(body: WeightUpdate | None = None):
+        return await server.update_weights("reload_weights", body or WeightUpdate())
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateFromTensorRequest):
+        try:
+            payloads = [base64.b64decode(p, validate=True) for p in body.serialized_named_tensors]
+        except binascii.Error:
+            raise Refused(400, "serialized_named_tensors must be base64 strings.", "serialized_named_tensors") from None
+        return await server.update_weights("update_weights_from_tensor", body, payloads)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsGroupRequest):
+        await server.on_engine("init_weights_update_group", *body.model_dump().values())
+        return {"success": True, "message": f"joined weights group {body.group_name!r}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateFromDistributedRequest):
+        return await server.update_weights(
+            "update_weights_from_distributed", body, body.names, body.dtypes, body.shapes, body.group_name
+        )
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsGroupRequest | None = None):
+        group_name = (body or DestroyWeightsGroupRequest()).group_name
+        await server.on_engine("destroy_weights_update_group", group_name)
+        return {"success": True}
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseRequest | None = None):
+        await server.on_engine("pause_generation", (body or PauseRequest()).mode)
+        return {"success": True, "paused": engine.readiness.paused}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await server.on_engine("continue_generation")
         return {"success": True}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from moeshard.engine.core import EngineStats
@@ -78,6 +78,7 @@ class ServerMetrics:
             PREFIX + "request_success", "Finished requests by finish reason.",
             labelnames=["model_name", "finished_reason"], registry=self.registry,
         )
+        self.paused = Gauge(PREFIX + "engine_paused", "1 while generation is paused (pause_generation), else 0.", **kw)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, **kw)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens.", buckets=LATENCY_BUCKETS, **kw)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to finish.",

@@ -111,9 +111,51 @@ class DetokenizeRequest(BaseModel):
     tokens: TokenIds
 
 
-class UpdateFromDiskRequest(BaseModel):
+class WeightUpdate(BaseModel):
+    """The fields every weight update shares (SGLang's names)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+    weight_version: str | None = Field(None, min_length=1)  # names the new weights from here on
+    abort_all_requests: bool = False  # else the update waits for the requests in flight to finish
+    flush_cache: bool = True  # accepted: the prefix cache never serves a block of older weights anyway
+
+
+class UpdateFromDiskRequest(WeightUpdate):
     model_path: str
+
+
+class InitWeightsGroupRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    master_address: str
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(600.0, gt=0)  # moeshard's: how long the rendezvous and each broadcast may wait
+
+
+class DestroyWeightsGroupRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    group_name: str = "weight_update_group"
+
+
+class UpdateFromDistributedRequest(WeightUpdate):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    load_format: None = None  # one broadcast per tensor; SGLang's flattened buckets are not taken
+
+
+class UpdateFromTensorRequest(WeightUpdate):
+    serialized_named_tensors: list[str] = Field(min_length=1)  # base64 of safetensors files (never pickle)
+    load_format: None = None
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    mode: Literal["abort", "wait", "keep"] = "abort"
 
 
 class FieldError(ValueError):

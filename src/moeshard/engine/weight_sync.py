@@ -1,0 +1,246 @@
+"""Weights from a trainer that runs somewhere else: a process group of its own (docs/DESIGN.md §5).
+
+The trainer and every engine rank join a second process group, set up the way SGLang's
+`init_custom_process_group` and OpenRLHF set it up, so an existing trainer-side client works
+unchanged: a TCP store at `master_address:master_port` (hosted by the trainer, rank 0), the group
+name as the store's prefix, engine rank r at `rank_offset + r`, `world_size` = 1 + the engine's
+ranks; gloo on CPU, NCCL on CUDA. The trainer announces the tensors (names, dtypes, shapes) and
+broadcasts each one; every rank receives all of them and keeps only the blocks it holds
+(`ShardBuffer`). Nothing is written until every tensor has arrived on every rank and the whole
+update is known good, so a refused or broken update changes nothing. A refused update is still
+received (and dropped), so the trainer's broadcasts finish and the group stays usable.
+
+    # the trainer, while the engine's /init_weights_update_group call runs:
+    group = WeightsGroup.join(GroupSpec("127.0.0.1", port, 0, 1 + engine_ranks), rank=0)
+    # while the engine's /update_weights_from_distributed call (names, dtypes, shapes) runs:
+    for name, tensor in weights.items():
+        group.broadcast(tensor)
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import PrefixStore, rendezvous
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from moeshard.engine.lifecycle import UPDATE_IN_FLIGHT
+from moeshard.models.checkpoint import TensorSource
+
+BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # backend → the device its tensors live on
+DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    master_address: str
+    master_port: int
+    rank_offset: int  # the engine's rank 0 joins as this rank; the trainer is rank 0
+    world_size: int  # 1 (the trainer) + the engine's ranks
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+    timeout_s: float = 600.0  # a rendezvous or a broadcast that waits longer fails (and changes nothing)
+
+    def check(self, engine_ranks: int, device: torch.device) -> None:
+        """Refuse a group the engine cannot join, before any rank tries to."""
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}.")
+        if BACKENDS[self.backend] != device.type:
+            raise ValueError(f"backend {self.backend} sends {BACKENDS[self.backend]} tensors, but this engine runs on {device.type}.")
+        if self.rank_offset < 1 or self.rank_offset + engine_ranks > self.world_size:
+            raise ValueError(
+                f"the engine's {engine_ranks} ranks cannot join as ranks {self.rank_offset}…"
+                f"{self.rank_offset + engine_ranks - 1} of a group of {self.world_size} (the trainer is rank 0)."
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1…65535, got {self.master_port}.")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}.")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list["TensorMeta"]:
+        """The announced tensors, or a ValueError: three lists of one length, known dtypes."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes must have one length, got {len(names)}, {len(dtypes)} and {len(shapes)}.")
+        unknown = [d for d in dtypes if d.removeprefix("torch.") not in DTYPES]
+        if unknown:
+            raise ValueError(f"dtype {unknown[0]!r} is not one of {', '.join(DTYPES)}.")
+        if any(any(n < 0 for n in s) for s in shapes):
+            raise ValueError("shapes must not have negative sizes.")
+        return [cls(n, DTYPES[d.removeprefix("torch.")], tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
+
+
+class WeightsGroup:
+    """One side's handle on the group: the trainer's (rank 0, it broadcasts) or an engine rank's."""
+
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device
+
+    @classmethod
+    def join(cls, spec: GroupSpec, rank: int) -> "WeightsGroup":
+        """Rendezvous with the other members (rank 0 hosts the store) and build the group's backend
+        under the store prefixes torch's own `_new_process_group_helper` uses, as SGLang's does."""
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        url = f"tcp://{spec.master_address}:{spec.master_port}"
+        store, _, _ = next(rendezvous(url, rank, spec.world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        device = BACKENDS[spec.backend]
+        store = PrefixStore(f"{device}/", PrefixStore(f"{spec.group_name}/", PrefixStore(spec.group_name, store)))
+        if spec.backend == "gloo":
+            return cls(ProcessGroupGloo(store, rank, spec.world_size, timeout), torch.device("cpu"))
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return cls(ProcessGroupNCCL(store, rank, spec.world_size, options), torch.device("cuda", torch.cuda.current_device()))
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0 sends `tensor`; the others receive into theirs (same shape and dtype)."""
+        self.group.broadcast(tensor, 0).wait()
+        return tensor
+
+    def receive(self, meta: TensorMeta) -> torch.Tensor:
+        return self.broadcast(torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
+
+
+class ShardBuffer(TensorSource):
+    """An update's tensors as one rank holds them: only the blocks its parameters read (see
+    moeshard.models.loader), copied out of each full tensor as it arrives. Read like a checkpoint
+    that may name only some tensors: a parameter reads the blocks it finds here and keeps the rest."""
+
+    partial = True
+
+    def __init__(self, model):
+        super().__init__("the update")
+        self.wanted: dict[str, list[tuple]] = {}  # name → this rank's block indexes (slices: compared, not hashed)
+        for part in model.parts():
+            for module in model.part(part).modules():
+                for param in module.parameters(recurse=False):
+                    for b in param.shard_load.blocks:
+                        indexes = self.wanted.setdefault(b.name, [])
+                        if b.index not in indexes:
+                            indexes.append(b.index)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.blocks: dict[str, list[tuple[tuple, torch.Tensor]]] = {}
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        self.shapes[name] = tuple(tensor.shape)
+        self.blocks[name] = [(index, tensor[index].clone() if index else tensor) for index in self.wanted.get(name, ())]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def block(self, name: str, index: tuple) -> torch.Tensor:
+        return next(t for i, t in self.blocks[name] if i == index)
+
+
+class EngineWeightSync:
+    """The driver's half (the LLM object): the calls a trainer's client makes. Expects what
+    moeshard.engine.lifecycle.EngineLifecycle provides (`ranks`, `schema`, `quiesce`, …) and
+    `device`, the engine's; call `init_weight_sync()` from the constructor."""
+
+    def init_weight_sync(self) -> None:
+        self.weight_groups: set[str] = set()
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = 600.0,
+    ) -> None:
+        """Join the trainer's group (every rank; returns once the trainer has joined too)."""
+        spec = GroupSpec(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s)
+        spec.check(self.ranks.world_size, self.device)
+        if group_name in self.weight_groups:
+            raise ValueError(f"the engine is already in a weights group named {group_name!r}; destroy it first.")
+        try:
+            self.ranks.call("join_weights_group", spec)
+        except RuntimeError as exc:  # a rank could not join: none stays half in the group
+            self.ranks.call("leave_weights_group", group_name)
+            raise RuntimeError(f"joining weights group {group_name!r} at {master_address}:{master_port} failed: {exc}") from None
+        self.weight_groups.add(group_name)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.check_group(group_name)
+        self.ranks.call("leave_weights_group", group_name)
+        self.weight_groups.discard(group_name)
+
+    def check_group(self, group_name: str) -> None:
+        if group_name not in self.weight_groups:
+            raise ValueError(f"the engine is in no weights group named {group_name!r}; call init_weights_update_group first.")
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = "weight_update_group",
+        weight_version: str | None = None, abort_running: bool = False,
+    ) -> int | None:
+        """Receive the tensors the trainer broadcasts on `group_name`, in the announced order, and
+        write them (any of the weights; the others keep their values). Every tensor is received
+        before anything is written; a refused update is received too and dropped, so the trainer's
+        broadcasts finish either way. A broadcast that breaks off closes the group."""
+        metas = TensorMeta.parse(names, dtypes, shapes)
+        self.check_group(group_name)
+        refusal: Exception | None = None
+        try:
+            self.check_weights_present()
+            self.schema.check_announced(metas)
+            self.quiesce(abort_running, UPDATE_IN_FLIGHT)
+        except (ValueError, RuntimeError) as exc:
+            refusal = exc
+        try:
+            self.ranks.call("receive_weights", group_name, metas, refusal is None)
+        except RuntimeError as exc:
+            self.ranks.call("drop_received")
+            self.ranks.call("leave_weights_group", group_name)
+            self.weight_groups.discard(group_name)
+            raise RuntimeError(
+                f"the weights broadcast on {group_name!r} broke off ({exc}); nothing was written, and the group is "
+                "closed: init it again."
+            ) from None
+        if refusal is not None:
+            raise refusal
+        self.core.weights_changed()
+        self.ranks.call("write_received")
+        return self.weights_written(weight_version)
+
+
+class RankWeightSync:
+    """A rank's half (the Worker): its membership of each weights group and the update it received.
+    Expects `self.runner` (its ModelRunner) and `self.weight_groups`, a dict."""
+
+    weight_groups: dict[str, WeightsGroup]
+    received: ShardBuffer | None = None
+
+    def join_weights_group(self, spec: GroupSpec) -> None:
+        rank = spec.rank_offset + self.runner.model.parallel.rank
+        self.weight_groups[spec.group_name] = WeightsGroup.join(spec, rank)
+
+    def leave_weights_group(self, group_name: str) -> None:
+        self.weight_groups.pop(group_name, None)
+
+    def receive_weights(self, group_name: str, metas: list[TensorMeta], keep: bool) -> None:
+        group, model = self.weight_groups[group_name], self.runner.model
+        buffer = ShardBuffer(model) if keep else None
+        for meta in metas:
+            tensor = group.receive(meta)
+            if buffer is not None:
+                buffer.keep(meta.name, tensor)
+        self.received = buffer
+
+    def write_received(self) -> None:
+        model, source = self.runner.model, self.received
+        for part in model.parts():
+            model.load_part(source, part)
+        self.received = None
+
+    def drop_received(self) -> None:
+        self.received = None
