@@ -37,6 +37,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort", or None on error
     error: str | None = None  # this request was refused; the others ran
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.return_routed_experts: [token][MoE layer][top_k] global expert ids of every
+    # token the model read (prompt + output but the last), MoE layers in model order; nested lists
+    # (torch.tensor() of it is [tokens, MoE layers, top_k]). An aborted request's rows so far.
+    routed_experts: list[list[list[int]]] | None = None
 
     def append(self, delta: RequestDelta) -> None:
         self.num_cached_tokens = delta.cached_tokens
@@ -45,6 +49,8 @@ class RequestOutput:
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         self.finish_reason = delta.finish_reason
+        if delta.routed_experts is not None:
+            self.routed_experts = delta.routed_experts
 
 
 def check_world(layout: Layout) -> None:
