@@ -100,6 +100,13 @@ class Choice:
     finish_reason: str | None = None
     cache_salt: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    routed_experts: list[list[list[int]]] | None = None  # asked with return_routed_experts: see RequestDelta
+
+
+def routed(experts: list[list[list[int]]] | None) -> dict:
+    """A choice's `routed_experts` field: [token][MoE layer][top_k] expert ids, only where it was asked
+    for (its finished delta carries them)."""
+    return {} if experts is None else {"routed_experts": experts}
 
 
 class Server:
@@ -174,6 +181,7 @@ class Server:
                 choice.cached_tokens = delta.cached_tokens
                 if delta.finished:
                     choice.finish_reason, live = delta.finish_reason, live - 1
+                    choice.routed_experts = delta.routed_experts
                 yield choice, delta
         finally:
             for task in tasks:
@@ -213,7 +221,7 @@ class Server:
                         offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
                     text = echo.pop(choice.index, "") + delta.text
                     yield {**head, "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
-                                                "finish_reason": delta.finish_reason}],
+                                                "finish_reason": delta.finish_reason, **routed(delta.routed_experts)}],
                            **({"usage": None} if body.include_usage else {})}
                 if body.include_usage:
                     yield {**head, "choices": [], "usage": self.usage(choices)}
@@ -222,7 +230,8 @@ class Server:
         await cancel_on_disconnect(request, self.drain(self.run(choices)))
         return {**head, "choices": [
             {"index": c.index, "text": echo[c.index] + c.text, "finish_reason": c.finish_reason,
-             "logprobs": None if body.logprobs is None else self.completion_logprobs(c.token_ids, c.logprobs, len(echo[c.index]))}
+             "logprobs": None if body.logprobs is None else self.completion_logprobs(c.token_ids, c.logprobs, len(echo[c.index])),
+             **routed(c.routed_experts)}
             for c in choices
         ], "usage": self.usage(choices)}
 
@@ -260,7 +269,8 @@ class Server:
                     logprobs = self.chat_logprobs(delta.token_ids, delta.logprobs) if body.logprobs else None
                     content = {"content": delta.text} if delta.text or not delta.finished else {}
                     yield {**head_chunk, "choices": [{"index": choice.index, "delta": content, "logprobs": logprobs,
-                                                      "finish_reason": delta.finish_reason}], **usage}
+                                                      "finish_reason": delta.finish_reason,
+                                                      **routed(delta.routed_experts)}], **usage}
                 if body.include_usage:
                     yield {**head_chunk, "choices": [], "usage": self.usage(choices)}
 
@@ -268,7 +278,8 @@ class Server:
         await cancel_on_disconnect(request, self.drain(self.run(choices)))
         return {**head, "object": "chat.completion", "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-             "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None}
+             "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
+             **routed(c.routed_experts)}
             for c in choices
         ], "usage": self.usage(choices)}
 
