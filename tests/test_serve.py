@@ -336,6 +336,25 @@ def test_rl_cycle_over_http(server, reference, tmp_path):
         assert texts() == original
 
 
+def test_routed_experts_equal_in_process(server, reference):
+    ids = reference.encode(PROMPTS[0])
+    want = expected(reference, [ids], return_routed_experts=True)[0]
+    asked = dict(model=NAME, prompt=ids, extra_body={"return_routed_experts": True}, **GREEDY)
+    (choice,) = client(server).completions.create(**asked).choices
+    # [prompt + completion − 1 tokens][4 MoE layers][top-2]: the last token was never fed in.
+    assert torch.tensor(choice.routed_experts).shape == (len(ids) + len(want.token_ids) - 1, 4, 2)
+    assert choice.routed_experts == want.routed_experts
+    chunks = list(client(server).completions.create(**asked, stream=True))
+    assert [c.choices[0].model_extra.get("routed_experts") for c in chunks] == [None] * (len(chunks) - 1) + [
+        want.routed_experts
+    ]
+    plain = client(server).completions.create(model=NAME, prompt=ids, **GREEDY)
+    assert "routed_experts" not in plain.choices[0].model_extra
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = client(server).chat.completions.create(model=NAME, messages=messages, extra_body=asked["extra_body"], **GREEDY)
+    assert len(chat.choices[0].routed_experts) == chat.usage.prompt_tokens + chat.usage.completion_tokens - 1
+
+
 def test_model_without_template_and_sigterm_mid_stream(tmp_path):
     """A tiny random checkpoint (no tokenizer, no chat template), one rank; SIGTERM while a stream runs."""
     subprocess.run([sys.executable, "-m", "moeshard", "tiny", "qwen3_moe", str(tmp_path / "tiny")], env=ENV, check=True,

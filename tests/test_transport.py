@@ -12,7 +12,7 @@ import torch
 from moeshard import LLM, SamplingParams
 from moeshard.bundled.arithmetic import held_out
 from moeshard.engine.plan import (
-    GroupPlan, NewRequest, PlannedChunk, StepPlan, decode_plan, decode_samples, encode_plan, encode_samples,
+    GroupPlan, NewRequest, PlannedChunk, Routing, StepPlan, decode_plan, decode_results, encode_plan, encode_results,
 )  # fmt: skip
 from moeshard.engine.sampling import Sample
 from moeshard.models.runner import Chunk
@@ -26,7 +26,7 @@ def test_plan_and_samples_round_trip():
     plan = StepPlan(
         [
             GroupPlan([NewRequest(3, 2**62 - 1, params)], [PlannedChunk(3, Chunk([5, 6, 7], 0, [9]), True)]),
-            GroupPlan([], [PlannedChunk(1, Chunk([4], 17, [2, 0]), False), PlannedChunk(2, Chunk([8], 3, [1]), True)]),
+            GroupPlan([], [PlannedChunk(1, Chunk([4], 17, [2, 0]), False, True), PlannedChunk(2, Chunk([8], 3, [1]), True)]),
         ],
         finished=[0, 4],
     )
@@ -36,7 +36,11 @@ def test_plan_and_samples_round_trip():
     assert (new.id, new.seed) == (3, 2**62 - 1)
     assert (new.params.temperature, new.params.top_k, new.params.top_p, new.params.logprobs) == (0.7, 5, 0.9, 2)
     samples = [Sample(7), Sample(2, -0.25, {2: -0.25, 9: -1.5}), Sample(0, -3.0, {})]
-    assert decode_samples(encode_samples(samples)) == samples
+    routing = [Routing(1, 17, torch.tensor([[[7, 0], [3, 255]]])), Routing(3, 0, torch.arange(24).view(3, 4, 2))]
+    samples_back, routing_back = decode_results(encode_results(samples, routing))
+    assert samples_back == samples
+    assert [(r.request_id, r.start) for r in routing_back] == [(1, 17), (3, 0)]
+    assert all(torch.equal(a.experts_TYK, b.experts_TYK) for a, b in zip(routing, routing_back))
 
 
 def test_a_decode_step_moves_a_few_bytes_per_sequence():
@@ -45,8 +49,8 @@ def test_a_decode_step_moves_a_few_bytes_per_sequence():
         llm.generate(PROMPTS, params)
         stats = llm.core.stats
     assert stats.decode_steps > 0
-    # Per sampled sequence: token, logprob slot, N (3 float64); every step here samples 16 sequences.
-    assert stats.decode_sample_bytes == stats.decode_steps * 16 * 3 * 8
+    # The count, then per sampled sequence: token, logprob slot, N (float64); every step here samples 16.
+    assert stats.decode_sample_bytes == stats.decode_steps * (1 + 16 * 3) * 8
     assert stats.decode_plan_bytes / stats.decode_steps < 16 * 10 * 8  # id, start, flags, 1 token, ~2 blocks each
 
 

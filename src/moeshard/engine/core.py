@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeshard.engine.block_manager import BlockManager
-from moeshard.engine.plan import GroupPlan, NewRequest, PlannedChunk, StepPlan, decode_samples, encode_plan
+from moeshard.engine.plan import GroupPlan, NewRequest, PlannedChunk, StepPlan, decode_results, encode_plan
 from moeshard.engine.sampling import SamplingParams
 from moeshard.engine.scheduler import Request, Scheduled, Scheduler, Status, StopRules
 from moeshard.models.runner import Chunk
@@ -38,6 +38,10 @@ class RequestDelta:
     finish_reason: str | None = None  # stop | length | abort | error
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     weight_version: str = ""  # the weights that produced it: the same for every delta of a request
+    # On the finished delta, with SamplingParams.return_routed_experts: [token][MoE layer][top_k] global
+    # expert ids, for every token the model read (prompt + output but the last); an aborted request's
+    # rows so far.
+    routed_experts: list[list[list[int]]] | None = None
 
 
 @dataclass
@@ -183,7 +187,10 @@ class EngineCore:
             raise
         for group, chunks, results_R in zip(self.groups, scheduled, results):
             sampled = [s.request for s in chunks if s.samples]
-            group.postprocess(chunks, decode_samples(results_R))
+            samples, routing = decode_results(results_R)
+            for r in routing:
+                self.requests[r.request_id][0].record_routing(r.start, r.experts_TYK)
+            group.postprocess(chunks, samples)
             deltas += [self.delta(r) for r in sampled]
         self.count(plan, plan_P, results, time.perf_counter() - start, self.ranks.forward_s - forward_s)
         return deltas
@@ -203,7 +210,10 @@ class EngineCore:
             if s.request.id not in self.announced:
                 self.announced.add(s.request.id)
                 new.append(NewRequest(s.request.id, s.request.seed, s.request.params))
-        return GroupPlan(new, [PlannedChunk(s.request.id, chunk_of(s), s.samples) for s in scheduled])
+        chunks = [
+            PlannedChunk(s.request.id, chunk_of(s), s.samples, s.request.params.return_routed_experts) for s in scheduled
+        ]
+        return GroupPlan(new, chunks)
 
     def delta(self, request: Request) -> RequestDelta:
         """The tokens and text `request` has not yet handed out. While it runs, text that could be the
@@ -220,6 +230,8 @@ class EngineCore:
         )
         if request.params.logprobs is not None:
             delta.logprobs = [s.top_logprobs | {s.token: s.logprob} for s in request.samples[tokens_out:]]
+        if finished and request.params.return_routed_experts:
+            delta.routed_experts = request.routed_experts
         self.emitted[request.id] = (len(request.output_ids), max(chars_out, len(text)))
         if finished:
             del self.requests[request.id], self.emitted[request.id]

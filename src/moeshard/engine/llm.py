@@ -39,6 +39,10 @@ class RequestOutput:
     error: str | None = None  # this request was refused; the others ran
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     weight_version: str | None = None  # the weights that produced it (see LLM.update_weights)
+    # With SamplingParams.return_routed_experts: [token][MoE layer][top_k] global expert ids of every
+    # token the model read (prompt + output but the last), MoE layers in model order; nested lists
+    # (torch.tensor() of it is [tokens, MoE layers, top_k]). An aborted request's rows so far.
+    routed_experts: list[list[list[int]]] | None = None
 
     def append(self, delta: RequestDelta) -> None:
         self.num_cached_tokens, self.weight_version = delta.cached_tokens, delta.weight_version
@@ -47,6 +51,8 @@ class RequestOutput:
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         self.finish_reason = delta.finish_reason
+        if delta.routed_experts is not None:
+            self.routed_experts = delta.routed_experts
 
 
 def check_world(layout: Layout) -> None:

@@ -22,6 +22,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
     ignore_eos: bool = False
     logprobs: int | None = None  # also return the top-N logprobs of each sampled position
+    # Also return, when it finishes, the experts each token was routed to in every MoE layer (for
+    # routing replay in a trainer); such a request never reads the prefix cache (docs/DESIGN.md §7).
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))

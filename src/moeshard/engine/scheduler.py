@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from moeshard.engine.block_manager import BlockManager, Prefix
 from moeshard.engine.sampling import Sample, SamplingParams
 
@@ -42,6 +44,9 @@ class Request:
     prefix: Prefix = Prefix()  # its blocks keyed in the prefix cache so far
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     weight_version: str = ""  # the weights it runs on (the engine's when it arrived)
+    # With params.return_routed_experts: by position, the global expert ids [MoE layer][top_k] it
+    # was routed to (a recompute after preemption rewrites the same positions).
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -50,6 +55,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def record_routing(self, start: int, experts_TYK: torch.Tensor) -> None:
+        """Positions [start, start + rows) were routed to `experts_TYK` ([rows, MoE layers, top_k]).
+        Such a request's chunks start at position 0 (it skips the prefix cache), so none is skipped."""
+        self.routed_experts[start : start + len(experts_TYK)] = experts_TYK.tolist()
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,8 @@ class Scheduler:
             request = self.waiting[0]
             tokens = request.tokens
             hits, prefix = self.blocks.lookup(tokens, request.cache_salt)
+            if request.params.return_routed_experts:  # a cached block is not recomputed, so not routed
+                hits, prefix = [], Prefix()
             cached = len(hits) * self.blocks.block_size
             n = min(len(tokens) - cached, budget)
             if not self.blocks.can_take(hits, cached + n):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moeshard.engine.lifecycle import RankLifecycle
-from moeshard.engine.plan import decode_plan, encode_samples
+from moeshard.engine.plan import Routing, decode_plan, encode_results
 from moeshard.engine.sampling import SamplingParams, sample_batch
 from moeshard.engine.weight_sync import RankWeightSync, WeightsGroup
 from moeshard.models.model import load_model
@@ -56,14 +56,21 @@ class Worker(RankLifecycle, RankWeightSync):
 
     def execute(self, plan_P: torch.Tensor) -> torch.Tensor | None:
         """Run this rank's DP group's chunks of the step (every rank, in lock-step); TP rank 0 of
-        the group samples them and returns the encoded samples (moeshard.engine.plan)."""
+        the group samples them and returns the encoded samples and the routing its chunks recorded
+        (moeshard.engine.plan)."""
         set_layout(self.config.layout)
         invariance.set_batch_invariant(self.config.batch_invariant)  # another engine may share the process
         plan = decode_plan(plan_P)
         parallel = self.model.parallel
         group = plan.groups[parallel.dp_rank]
+        chunks = [c.chunk for c in group.chunks]
+        # Every TP rank of the group decodes the same plan, so all of them agree to record (and gather).
+        records = any(c.records_routing for c in group.chunks)
         start = time.perf_counter()
-        logits = self.runner.run_chunks([c.chunk for c in group.chunks])
+        if records:
+            logits, routed = self.runner.run_chunks(chunks, record_routing=True)
+        else:
+            logits, routed = self.runner.run_chunks(chunks), []
         self.forward_s += time.perf_counter() - start
         if parallel.tp_rank != 0:
             return None
@@ -71,12 +78,17 @@ class Worker(RankLifecycle, RankWeightSync):
             self.samplers.pop(request_id, None)
         for r in group.new:
             self.samplers[r.id] = (r.params, torch.Generator().manual_seed(r.seed))
+        routing = [
+            Routing(c.request_id, c.chunk.start, experts_TYK)
+            for c, experts_TYK in zip(group.chunks, routed)
+            if c.records_routing
+        ]
         ready = [i for i, c in enumerate(group.chunks) if c.samples]
         if not ready:
-            return encode_samples([])
+            return encode_results([], routing)
         params, generators = zip(*(self.samplers[group.chunks[i].request_id] for i in ready))
         logits_NV = logits if len(ready) == len(logits) else logits[ready]
-        return encode_samples(sample_batch(logits_NV, params, generators))
+        return encode_results(sample_batch(logits_NV, params, generators), routing)
 
     def moe_stats(self) -> tuple[dict[str, int], list[int]]:
         """Steps by MoE method, and the (token, expert) pairs this rank routed to each EP rank."""

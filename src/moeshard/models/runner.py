@@ -5,7 +5,8 @@ new tokens, the position of the first, and its block table (blocks are placed by
 block manager). The runner lays the chunks out as one flat batch, pads it (to a multiple of TP
 under SP; to a graph bucket when compiled), builds the attention metadata, fixes the MoE method for
 the step (every rank agrees) and returns logits. A rank with nothing to do still steps, on one
-dummy token, so that every collective stays matched.
+dummy token, so that every collective stays matched. On request it also returns where each token
+was routed in every MoE layer (for routing replay).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from moeshard.models.kv_cache import AttentionMetadata, allocate, attention_cont
 from moeshard.models.model import CausalLM
 from moeshard.moe import CommMethod, SelectionPolicy
 from moeshard.moe.context import moe_forward_context
+from moeshard.parallel.state import all_gather
 
+Logits = torch.Tensor | list[torch.Tensor]
 BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # compiled batch sizes; eager above the largest
 
 
@@ -69,11 +72,16 @@ class ModelRunner:
         return rows, compiled
 
     @torch.no_grad()
-    def run_chunks(self, chunks: list[Chunk], all_logits: bool = False) -> torch.Tensor | list[torch.Tensor]:
+    def run_chunks(
+        self, chunks: list[Chunk], all_logits: bool = False, record_routing: bool = False
+    ) -> Logits | tuple[Logits, list[torch.Tensor]]:
         """Each chunk's logits (fp32): its last row, as one [chunks, vocab] tensor, or with `all_logits`
-        a list of every row [n, vocab] per chunk.
+        a list of every row [n, vocab] per chunk. With `record_routing`, also each chunk's routed
+        experts, [n, MoE layers, top_k] int64 per chunk: row i holds the global expert ids token i went
+        to in each MoE layer, in layer order.
 
-        Every rank calls this in lock-step; a rank with no chunks passes [] (and gets []).
+        Every rank calls this in lock-step; a rank with no chunks passes [] (and gets []). Every TP rank
+        of a DP group passes the same `record_routing` (under SP they gather the routing together).
         """
         device = self.model.parallel.device
         ids = [t for c in chunks for t in c.token_ids]
@@ -95,18 +103,25 @@ class ModelRunner:
             moe_rows = rows // self.tp
             real_rows = min(max(len(ids) - self.model.parallel.tp_rank * moe_rows, 0), moe_rows)
         with (
-            moe_forward_context(moe_rows, self.policy, self.force, real_rows) as moe,
+            moe_forward_context(moe_rows, self.policy, self.force, real_rows, record_routing) as moe,
             attention_context(meta),
         ):
             hidden_TD = forward(ids_T, positions_T)
         self.method_steps[moe.method.name] += 1
-        if not chunks:
-            return []
         ends = meta.query_starts[1:]
-        if not all_logits:
-            return self.model.logits(hidden_TD[[end - 1 for end in ends]])
-        logits = self.model.logits(hidden_TD[: len(ids)])
-        return [logits[start:end] for start, end in zip(meta.query_starts, ends)]
+        if not chunks:
+            logits = []
+        elif not all_logits:
+            logits = self.model.logits(hidden_TD[[end - 1 for end in ends]])
+        else:
+            logits_TV = self.model.logits(hidden_TD[: len(ids)])
+            logits = [logits_TV[start:end] for start, end in zip(meta.query_starts, ends)]
+        if not record_routing:
+            return logits
+        routed_TYK = torch.stack(moe.routing, dim=1)
+        if self.sp:  # each TP rank routed its slice of the rows
+            routed_TYK = all_gather(routed_TYK, self.model.parallel.tp_group)
+        return logits, [routed_TYK[start:end] for start, end in zip(meta.query_starts, ends)]
 
     def allocate_kv_cache(self, poison: bool | str = False) -> None:
         """A new cache, its contents undefined (`poison`: garbage) except the null block's zeros."""

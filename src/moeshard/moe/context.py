@@ -1,4 +1,5 @@
-"""The per-forward context: which communication method is live for this step, and why.
+"""The per-forward context: which communication method is live for this step, and why; and, when
+asked, where each MoE layer routed this rank's rows (routing replay: docs/DESIGN.md §7).
 
 The live method is never module state: it is set here once per forward (outside any compiled code)
 and read only by the real implementations of moeshard's custom ops, at run time.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 from moeshard.moe.config import SelectionPolicy
 from moeshard.moe.dispatch import DISPATCHERS, CommMethod
@@ -21,6 +24,7 @@ class ForwardContext:
     method: CommMethod
     num_tokens: int  # max MoE-input rows over all ranks: every rank pads to this
     real_rows: int  # this rank's MoE-input rows that carry tokens (the rest is padding)
+    routing: list[torch.Tensor] | None = None  # each MoE layer's topk_ids_TK, in layer order; None: not recorded
 
 
 def method_policy(text: str) -> tuple[CommMethod | None, SelectionPolicy]:
@@ -74,18 +78,20 @@ def moe_forward_context(
     policy: SelectionPolicy = SelectionPolicy(),
     force: CommMethod | None = None,
     real_rows: int | None = None,
+    record_routing: bool = False,
 ) -> Iterator[ForwardContext]:
     """Agree with every rank on the step's token counts (one host sync) and fix the method.
 
     `num_local_tokens` is the rows this rank feeds its MoE layers (its SP slice under SP), of which
-    the first `real_rows` (default: all) carry tokens.
+    the first `real_rows` (default: all) carry tokens. With `record_routing` the context's `routing`
+    collects every MoE layer's expert ids of all `num_local_tokens` rows.
     """
     global _current
     parallel = state.get_parallel_state()
     num_tokens = max(state.gather_ints(num_local_tokens, parallel.ep_group))
     method = select_method(num_tokens, parallel.layout.ep_size, policy, force)
     real = num_local_tokens if real_rows is None else real_rows
-    previous, _current = _current, ForwardContext(method, num_tokens, real)
+    previous, _current = _current, ForwardContext(method, num_tokens, real, [] if record_routing else None)
     try:
         yield _current
     finally:

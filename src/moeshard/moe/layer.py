@@ -160,9 +160,12 @@ def _(x_TD, layer_name):
 
 @serving_op("moeshard::routed_experts")
 def routed_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, layer_name: str) -> torch.Tensor:
-    """Dispatch → experts → combine with the method live in this forward's context."""
+    """Dispatch → experts → combine with the method live in this forward's context (recording the
+    routing where the context asks: this op runs eagerly even inside a compiled graph)."""
     layer = get_layer(layer_name)
     ctx = get_forward_context()
+    if ctx.routing is not None:
+        ctx.routing.append(topk_ids_TK.clone())  # a compiled graph may reuse the buffer after this op
     if layer.counts_routing:
         ep_rank_P = topk_ids_TK[: ctx.real_rows].flatten() // layer.experts_per_rank
         layer.routed_W += torch.bincount(ep_rank_P, minlength=layer.routed_W.numel())

@@ -109,6 +109,13 @@ class Choice:
     cache_salt: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     weight_version: str | None = None  # the weights that produced it
+    routed_experts: list[list[list[int]]] | None = None  # asked with return_routed_experts: see RequestDelta
+
+
+def extras(weight_version: str | None, experts: list[list[list[int]]] | None) -> dict:
+    """A choice's fields past OpenAI's: the weights that produced it, and `routed_experts`
+    ([token][MoE layer][top_k] expert ids) only where it was asked for (the finished delta carries them)."""
+    return {"weight_version": weight_version, **({} if experts is None else {"routed_experts": experts})}
 
 
 class Server:
@@ -183,6 +190,7 @@ class Server:
                 choice.cached_tokens, choice.weight_version = delta.cached_tokens, delta.weight_version
                 if delta.finished:
                     choice.finish_reason, live = delta.finish_reason, live - 1
+                    choice.routed_experts = delta.routed_experts
                 yield choice, delta
         finally:
             for task in tasks:
@@ -223,7 +231,7 @@ class Server:
                     text = echo.pop(choice.index, "") + delta.text
                     yield {**head, "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
                                                 "finish_reason": delta.finish_reason,
-                                                "weight_version": delta.weight_version}],
+                                                **extras(delta.weight_version, delta.routed_experts)}],
                            **({"usage": None} if body.include_usage else {})}
                 if body.include_usage:
                     yield {**head, "choices": [], "usage": self.usage(choices)}
@@ -233,7 +241,7 @@ class Server:
         return {**head, "choices": [
             {"index": c.index, "text": echo[c.index] + c.text, "finish_reason": c.finish_reason,
              "logprobs": None if body.logprobs is None else self.completion_logprobs(c.token_ids, c.logprobs, len(echo[c.index])),
-             "weight_version": c.weight_version}
+             **extras(c.weight_version, c.routed_experts)}
             for c in choices
         ], "usage": self.usage(choices)}
 
@@ -272,7 +280,7 @@ class Server:
                     content = {"content": delta.text} if delta.text or not delta.finished else {}
                     yield {**head_chunk, "choices": [{"index": choice.index, "delta": content, "logprobs": logprobs,
                                                       "finish_reason": delta.finish_reason,
-                                                      "weight_version": delta.weight_version}], **usage}
+                                                      **extras(delta.weight_version, delta.routed_experts)}], **usage}
                 if body.include_usage:
                     yield {**head_chunk, "choices": [], "usage": self.usage(choices)}
 
@@ -281,7 +289,7 @@ class Server:
         return {**head, "object": "chat.completion", "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
              "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
-             "weight_version": c.weight_version}
+             **extras(c.weight_version, c.routed_experts)}
             for c in choices
         ], "usage": self.usage(choices)}
 

@@ -38,6 +38,7 @@ class Sampling(BaseModel):
     frequency_penalty: Literal[0, 0.0] = 0
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached blocks
+    return_routed_experts: bool = False  # each choice gets `routed_experts` (SamplingParams.return_routed_experts)
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -50,6 +51,7 @@ class Sampling(BaseModel):
         return dict(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), max_tokens=max_tokens,
             stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            return_routed_experts=self.return_routed_experts,
         )
 
     def seeds(self) -> list[int | None]:
