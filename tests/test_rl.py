@@ -12,6 +12,7 @@ import torch
 
 from moeshard.bundled.arithmetic import VOCAB
 from moeshard.demos.grpo import GRPOConfig, Rollout, Trainer, clipped_loss, group_advantages, logprob_gap, sampled_logprobs
+from moeshard.demos.disaggregated import run_disaggregated
 from moeshard.demos.rl import WEAK_MODEL_DIR, LogprobGapError, RLOptions, run_rl
 
 FEW = dict(steps=3, problems=4, group=4, eval_every=2, eval_problems=16)
@@ -81,6 +82,18 @@ def test_batch_invariant_loop_trains_on_the_engines_logprobs_bit_for_bit():
     assert [r.step for r in records] == [0, 1, 2, 3]
     assert [r.max_abs_dlogprob for r in records[1:]] == [0.0, 0.0, 0.0]
     assert [r.max_ratio_deviation for r in records[1:]] == [0.0, 0.0, 0.0]
+
+
+def test_disaggregated_loop_syncs_weights_to_a_server_every_step(tmp_path):
+    """`moeshard serve` 1x2-ep in processes of its own, rollouts over HTTP, weights over the group:
+    every rollout answer names the version sent after the step before (the loop checks), the
+    trainer agrees to 1e-4, and routing replay compared every routed token with its own routers."""
+    records = run_disaggregated(RLOptions(**FEW), replay=True, log_dir=tmp_path)
+    assert [r.step for r in records] == [0, 1, 2, 3]
+    assert all(r.max_abs_dlogprob <= 1e-4 for r in records[1:])
+    assert all(r.update_s > 0 for r in records[1:])
+    assert all(r.routing_disagreement is not None and r.routing_disagreement < 0.01 for r in records[1:])
+    assert [r.accuracy is not None for r in records] == [True, False, True, True]
 
 
 def test_negative_control_stops_at_the_first_step_after_a_wake(monkeypatch):

@@ -50,8 +50,10 @@ def perturbed(tmp_path_factory) -> Path:
 def servers(tmp_path_factory, perturbed):
     """The server under test (bundled weights) and a fresh one on the perturbed checkpoint."""
     logs = tmp_path_factory.mktemp("rl_routes")
-    fresh = Served(logs, [*ARGS, "--model", str(perturbed)], "fresh")
-    served = Served(logs, ARGS, "served")
+    fresh = Served(logs, [*ARGS, "--model", str(perturbed)], "fresh", wait=False)
+    served = Served(logs, ARGS, "served", wait=False)
+    fresh.wait()
+    served.wait()
     yield served, fresh
     served.stop()
     fresh.stop()
@@ -241,3 +243,21 @@ def test_an_update_never_mixes_weights_into_a_request(servers, perturbed):
                         json={"serialized_named_tensors": payload, "weight_version": "a", "abort_all_requests": True})
         thread.join(TIMEOUT)
         assert answer.json()["weight_version"] == "a" and out[0][1] == "abort" and out[0][2] == "w"
+
+
+def test_token_ids_model_info_and_bad_group_requests(servers):
+    served, _ = servers
+    prompt = prompts(18, 1)[0]
+    with http(served) as c:
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+        choice = c.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]
+        assert choice["prompt_token_ids"] == c.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["tokens"])
+        info = c.get("/get_model_info").json()
+        assert info["num_ranks"] == 2 and info["layout"] == "1x2-ep"
+        assert c.get("/get_weight_version").json() == {"weight_version": info["weight_version"]}
+        group = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+        refused = c.post("/init_weights_update_group", json=group)  # the engine's 2 ranks do not fit
+        assert refused.status_code == 400 and "cannot join as ranks 1…2" in refused.json()["error"]["message"]
+        refused = c.post("/update_weights_from_distributed", json={"names": [], "dtypes": [], "shapes": []})
+        assert refused.status_code == 400 and "no weights group" in refused.json()["error"]["message"]

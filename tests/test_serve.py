@@ -33,13 +33,18 @@ TIMEOUT = 120  # seconds, any one client call
 
 
 class Served:
-    def __init__(self, tmp_path, args: list[str], name: str):
-        self.port, self.log = free_port(), tmp_path / f"{name}.log"
+    def __init__(self, tmp_path, args: list[str], name: str, wait: bool = True):
+        self.port, self.log, self.args = free_port(), tmp_path / f"{name}.log", args
         command = [sys.executable, "-m", "moeshard", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(command, env=ENV, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        wait_listening(self.port, self.proc, 300, f"moeshard serve {' '.join(args)}")
         self.url = f"http://127.0.0.1:{self.port}"
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until it listens (servers started with wait=False start side by side)."""
+        wait_listening(self.port, self.proc, 300, f"moeshard serve {' '.join(self.args)}")
 
     def stop(self) -> None:
         """SIGTERM: exit 0 within the shutdown bound, nothing left behind."""

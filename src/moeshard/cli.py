@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_invariant(srv)
     srv.set_defaults(run=serve, layouts_of=serve_layouts)
 
-    rlp = commands.add_parser("rl", help="GRPO on the arithmetic task: engine and trainer colocated, logprobs checked")
+    rlp = commands.add_parser("rl", help="GRPO on the arithmetic task: engine and trainer colocated (or disaggregated), logprobs checked")
     from moeshard.demos.grpo import GRPOConfig
     from moeshard.demos.rl import RLOptions
 
@@ -430,6 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave the derived tensors as the poisoned wake made them: the run must stop at the first step after a wake",
     )
     add_batch_invariant(rlp)
+    rlp.add_argument(
+        "--disaggregated", action="store_true",
+        help="the engine as `moeshard serve` in processes of its own, rollouts over HTTP, weights over a process group",
+    )
+    rlp.add_argument("--routing-replay", action="store_true",
+                     help="with --disaggregated: the trainer's routers take the experts the engine chose (R3)")
     rlp.add_argument("--json", metavar="PATH", help="one object per step")
     rlp.add_argument("--plot", metavar="PNG", help="reward, accuracy and |Δ logprob| against step")
     rlp.set_defaults(run=rl)

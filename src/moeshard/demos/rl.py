@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,6 +61,11 @@ class RLOptions:
     model: Path = WEAK_MODEL_DIR
     grpo: GRPOConfig = GRPOConfig()
 
+    @property
+    def per_group(self) -> int:
+        """A step's rollouts per DP group: the engine runs them all at once."""
+        return -(-self.problems * self.group // self.layout.dp)
+
 
 @dataclass
 class StepRecord:
@@ -79,6 +85,7 @@ class StepRecord:
     rss_trainer_awake_mb: float | None = None
     rss_trainer_asleep_mb: float | None = None
     engine_held_mb: float | None = None  # the engine's weights, derived tensors and KV cache, all ranks
+    routing_disagreement: float | None = None  # with routing replay: share of (token, MoE layer) the trainer would route otherwise
     elapsed_s: float = 0.0
 
 
@@ -162,7 +169,7 @@ def run_rl(options: RLOptions, on_step=lambda record: None) -> list[StepRecord]:
     held = held_out(HELD_OUT)
     eval_set, excluded = held[: options.eval_problems], {p.prompt for p in held}
     rng = random.Random(options.seed)
-    per_group = -(-options.problems * options.group // options.layout.dp)
+    per_group = options.per_group
     trainer = TrainerProcess(options)
     records: list[StepRecord] = []
     try:
@@ -201,6 +208,19 @@ def run_rl(options: RLOptions, on_step=lambda record: None) -> list[StepRecord]:
     return records
 
 
+def train_on(trainer, rollout: Rollout, step: int, tolerance: float) -> tuple[dict, float]:
+    """The trainer's report on `rollout` and its seconds; a LogprobGapError if it refused to train."""
+    t0 = time.perf_counter()
+    report = trainer.step(rollout)
+    if not report["trained"]:
+        raise LogprobGapError(
+            f"step {step}: the engine's logprobs differ from the trainer's on the tokens it sampled by up to "
+            f"{report['max_abs_dlogprob']:.3g} (tolerance {tolerance:g}, importance ratio off by "
+            f"{report['max_ratio_deviation']:.3g}); the rollout was not trained on."
+        )
+    return report, time.perf_counter() - t0
+
+
 def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, rng, excluded) -> StepRecord:
     problems = training_problems(rng, options.problems, excluded)
     grouped = [p for p in problems for _ in range(options.group)]
@@ -222,15 +242,7 @@ def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, r
     t0 = time.perf_counter()
     asleep = sum(llm.sleep(level=2))
     sleep_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    report = trainer.step(rollout)
-    train_s = time.perf_counter() - t0
-    if not report["trained"]:
-        raise LogprobGapError(
-            f"step {step}: the engine's logprobs differ from the trainer's on the tokens it sampled by up to "
-            f"{report['max_abs_dlogprob']:.3g} (tolerance {options.grpo.tolerance:g}, importance ratio off by "
-            f"{report['max_ratio_deviation']:.3g}); the rollout was not trained on."
-        )
+    report, train_s = train_on(trainer, rollout, step, options.grpo.tolerance)
     # Under the negative control (derived tensors not rebuilt) only in-range poison: NaN or an id
     # out of range would stop the engine loudly, and the point is that the logprob check alone
     # catches the silent kind.
@@ -262,22 +274,30 @@ def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, r
     )
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def summary(records: list[StepRecord]) -> dict:
     steps = [r for r in records if r.step > 0]
     measured = [r for r in records if r.accuracy is not None]
-    # From step 2 on, the KV cache has been written whole (a poisoned wake touches every page);
-    # before, untouched zero pages of a fresh cache are not resident and cannot be released.
-    after_wake = [r for r in steps if r.step > 1] or steps
-    return {
+    out = {
         "accuracy_start": measured[0].accuracy,
         "accuracy_end": measured[-1].accuracy,
         "worst_max_abs_dlogprob": max(r.max_abs_dlogprob for r in steps),
         "worst_max_ratio_deviation": max(r.max_ratio_deviation for r in steps),
-        "min_engine_drop_mb": min(r.rss_engine_awake_mb - r.rss_engine_asleep_mb for r in after_wake),
-        "engine_held_mb": records[0].engine_held_mb,
-        "median_rollout_tok_s": sorted(r.rollout_tok_s for r in steps)[len(steps) // 2],
+        "median_rollout_tok_s": median([r.rollout_tok_s for r in steps]),
+        "median_update_s": median([r.update_s for r in steps]),
+        "max_update_s": max(r.update_s for r in steps),
         "elapsed_s": records[-1].elapsed_s,
     }
+    if steps[0].rss_engine_asleep_mb is not None:  # colocated: what the engine released asleep
+        # From step 2 on, the KV cache has been written whole (a poisoned wake touches every page);
+        # before, untouched zero pages of a fresh cache are not resident and cannot be released.
+        after_wake = [r for r in steps if r.step > 1] or steps
+        out["min_engine_drop_mb"] = min(r.rss_engine_awake_mb - r.rss_engine_asleep_mb for r in after_wake)
+        out["engine_held_mb"] = records[0].engine_held_mb
+    return out
 
 
 def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> None:
@@ -310,10 +330,31 @@ def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> 
     plt.close(fig)
 
 
+def step_table(records: list[StepRecord], title: str, disaggregated: bool):
+    """The measured steps: colocated, with the sleep + update + wake seconds and each side's resident
+    MiB awake → asleep; disaggregated, with the weights' sync seconds."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    extra = ("sync s", "routing Δ") if disaggregated else ("lifecycle s", "engine MiB", "trainer MiB")
+    for column in ("step", "accuracy", "reward", "max |Δ lp|", "tok/s", *extra):
+        table.add_column(column, justify="right")
+    for r in records:
+        if r.accuracy is None or r.step == 0:
+            continue
+        cells = [str(r.step), f"{r.accuracy:.3f}", f"{r.reward_mean:.3f}", f"{r.max_abs_dlogprob:.1e}", f"{r.rollout_tok_s:.0f}"]
+        if disaggregated:
+            cells += [f"{r.update_s:.3f}", "–" if r.routing_disagreement is None else f"{r.routing_disagreement:.1e}"]
+        else:
+            cells += [f"{r.sleep_s + r.update_s + r.wake_s:.3f}", f"{r.rss_engine_awake_mb:.0f}→{r.rss_engine_asleep_mb:.0f}",
+                      f"{r.rss_trainer_awake_mb:.0f}→{r.rss_trainer_asleep_mb:.0f}"]
+        table.add_row(*cells)
+    return table
+
+
 def rl_command(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     console = Console(highlight=False)
     if args.negative_control:
@@ -335,10 +376,14 @@ def rl_command(args) -> int:
         grpo=GRPOConfig(lr=args.lr, batch_invariant=args.batch_invariant,
                         tolerance=0.0 if args.batch_invariant else GRPOConfig.tolerance),
     )
+    if args.disaggregated and args.negative_control:
+        raise ValueError("--negative-control is for the colocated loop (its poisoned wakes); drop --disaggregated.")
+    if args.routing_replay and not args.disaggregated:
+        raise ValueError("--routing-replay needs --disaggregated (the routes return each token's experts).")
     title = (
-        f"GRPO on {options.layout.label()}, {options.moe_comm}{', compiled' if options.compile else ''}"
-        f"{', batch-invariant' if options.grpo.batch_invariant else ''}: "
-        f"{options.problems} problems × {options.group} completions a step"
+        f"GRPO on {options.layout.label()}{' (moeshard serve)' if args.disaggregated else ''}, {options.moe_comm}"
+        f"{', compiled' if options.compile else ''}{', batch-invariant' if options.grpo.batch_invariant else ''}"
+        f"{', routing replay' if args.routing_replay else ''}: {options.problems} problems × {options.group} completions a step"
     )
     with Progress(
         TextColumn("[bold]rl[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -356,30 +401,29 @@ def rl_command(args) -> int:
                 )
 
         try:
-            records = run_rl(options, on_step)
+            if args.disaggregated:
+                from moeshard.demos.disaggregated import run_disaggregated
+
+                log_dir = Path(tempfile.mkdtemp(prefix="moeshard-rl-"))
+                progress.console.print(f"the server's log: {log_dir}/moeshard-serve.log")
+                records = run_disaggregated(options, args.routing_replay, log_dir, on_step)
+            else:
+                records = run_rl(options, on_step)
         except LogprobGapError as exc:
             console.print(f"[bold red]stopped[/]: {exc}")
             return 1
-    table = Table(title=title)
-    # sleep + update + wake seconds; resident MiB awake → asleep
-    for column in ("step", "accuracy", "reward", "max |Δ lp|", "tok/s", "lifecycle s", "engine MiB", "trainer MiB"):
-        table.add_column(column, justify="right")
-    for r in records:
-        if r.accuracy is None or r.step == 0:
-            continue
-        table.add_row(
-            str(r.step), f"{r.accuracy:.3f}", f"{r.reward_mean:.3f}", f"{r.max_abs_dlogprob:.1e}", f"{r.rollout_tok_s:.0f}",
-            f"{r.sleep_s + r.update_s + r.wake_s:.3f}",
-            f"{r.rss_engine_awake_mb:.0f}→{r.rss_engine_asleep_mb:.0f}",
-            f"{r.rss_trainer_awake_mb:.0f}→{r.rss_trainer_asleep_mb:.0f}",
-        )
-    console.print(table)
+    console.print(step_table(records, title, args.disaggregated))
     s = summary(records)
+    where = (
+        f"weights sync over update_weights_from_distributed {s['median_update_s']:.3f} s a step (median; max "
+        f"{s['max_update_s']:.3f} s)" if args.disaggregated else
+        f"the engine released ≥ {s['min_engine_drop_mb']:.0f} MiB asleep (it holds {s['engine_held_mb']:.0f} MiB of "
+        "weights and KV cache)"
+    )
     console.print(
         f"held-out accuracy {s['accuracy_start']:.3f} → {s['accuracy_end']:.3f} in {s['elapsed_s'] / 60:.1f} min; "
         f"worst max |Δ logprob| {s['worst_max_abs_dlogprob']:.2e} (importance ratio within "
-        f"{s['worst_max_ratio_deviation']:.2e} of 1); the engine released ≥ {s['min_engine_drop_mb']:.0f} MiB asleep "
-        f"(it holds {s['engine_held_mb']:.0f} MiB of weights and KV cache)"
+        f"{s['worst_max_ratio_deviation']:.2e} of 1); {where}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in records], indent=1) + "\n")

@@ -112,10 +112,20 @@ class Choice:
     routed_experts: list[list[list[int]]] | None = None  # asked with return_routed_experts: see RequestDelta
 
 
-def extras(weight_version: str | None, experts: list[list[list[int]]] | None) -> dict:
-    """A choice's fields past OpenAI's: the weights that produced it, and `routed_experts`
-    ([token][MoE layer][top_k] expert ids) only where it was asked for (the finished delta carries them)."""
-    return {"weight_version": weight_version, **({} if experts is None else {"routed_experts": experts})}
+def extras(body, choice: Choice, delta: RequestDelta | None = None) -> dict:
+    """A choice's fields past OpenAI's, for the whole choice or one streamed `delta` of it: the
+    weights that produced it; with return_token_ids its token ids (the prompt's once: on the last
+    chunk); with return_routed_experts, `routed_experts` ([token][MoE layer][top_k] expert ids: the
+    finished delta carries them)."""
+    part = choice if delta is None else delta
+    out = {"weight_version": part.weight_version}
+    if body.return_token_ids:
+        out["token_ids"] = part.token_ids
+        if delta is None or delta.finished:
+            out["prompt_token_ids"] = choice.ids
+    if part.routed_experts is not None:
+        out["routed_experts"] = part.routed_experts
+    return out
 
 
 class Server:
@@ -231,7 +241,7 @@ class Server:
                     text = echo.pop(choice.index, "") + delta.text
                     yield {**head, "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
                                                 "finish_reason": delta.finish_reason,
-                                                **extras(delta.weight_version, delta.routed_experts)}],
+                                                **extras(body, choice, delta)}],
                            **({"usage": None} if body.include_usage else {})}
                 if body.include_usage:
                     yield {**head, "choices": [], "usage": self.usage(choices)}
@@ -241,7 +251,7 @@ class Server:
         return {**head, "choices": [
             {"index": c.index, "text": echo[c.index] + c.text, "finish_reason": c.finish_reason,
              "logprobs": None if body.logprobs is None else self.completion_logprobs(c.token_ids, c.logprobs, len(echo[c.index])),
-             **extras(c.weight_version, c.routed_experts)}
+             **extras(body, c)}
             for c in choices
         ], "usage": self.usage(choices)}
 
@@ -280,7 +290,7 @@ class Server:
                     content = {"content": delta.text} if delta.text or not delta.finished else {}
                     yield {**head_chunk, "choices": [{"index": choice.index, "delta": content, "logprobs": logprobs,
                                                       "finish_reason": delta.finish_reason,
-                                                      **extras(delta.weight_version, delta.routed_experts)}], **usage}
+                                                      **extras(body, choice, delta)}], **usage}
                 if body.include_usage:
                     yield {**head_chunk, "choices": [], "usage": self.usage(choices)}
 
@@ -289,7 +299,7 @@ class Server:
         return {**head, "object": "chat.completion", "choices": [
             {"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
              "logprobs": self.chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
-             **extras(c.weight_version, c.routed_experts)}
+             **extras(body, c)}
             for c in choices
         ], "usage": self.usage(choices)}
 

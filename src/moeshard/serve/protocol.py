@@ -39,6 +39,7 @@ class Sampling(BaseModel):
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached blocks
     return_routed_experts: bool = False  # each choice gets `routed_experts` (SamplingParams.return_routed_experts)
+    return_token_ids: bool = False  # vLLM's: each choice gets its `token_ids` and `prompt_token_ids`
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
