@@ -11,6 +11,7 @@ PACKAGE = Path(moeshard.__file__).parent
 LEVELS = {
     "runtime": 0,  # custom ops and compile-once, derived-tensor registry, memory
     "bundled": 0,  # the bundled model and task: data
+    "commandline": 0,  # argparse helpers every command group shares
     "parallel": 1,
     "kernels": 1,  # the bf16 CPU kernels and their packed weights (derived tensors)
     "moe": 2,

@@ -1,0 +1,106 @@
+"""The "benchmark" commands: `bench layer | lm-head | kernels | e2e | serve | soak` (docs/benchmarks.md).
+Each prints ratios against a peer measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+
+from moeshard.commandline import Registry, int_list, lazy
+
+
+def add_commands(registry: Registry) -> None:
+    bench = registry.parent("bench", "benchmarks against a peer measured in the same run", "what")
+    blayer = registry.command(
+        "benchmark", "bench layer", "the MoE layer vs. transformers' MoE blocks and a dense GEMM",
+        "moeshard bench layer --dtype bfloat16 --repeats 5", under=bench,
+    )
+    blayer.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    blayer.add_argument("--repeats", type=int, default=5, help="turns per contender; medians and spread reported")
+    blayer.add_argument("--decode-tokens", type=int, default=8)
+    blayer.add_argument("--prefill-tokens", type=int, default=2048)
+    blayer.add_argument("--json", metavar="PATH")
+    blayer.set_defaults(run=lazy("moeshard.bench.layer", "run_bench_layer"))
+    blm = registry.command(
+        "benchmark", "bench lm-head", "vocab-parallel vs. replicated LM head on 2 TP ranks",
+        "moeshard bench lm-head --vocab 151936 --hidden 2048", under=bench,
+    )
+    blm.add_argument("--vocab", type=int, default=151936)
+    blm.add_argument("--hidden", type=int, default=2048)
+    blm.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    blm.add_argument("--repeats", type=int, default=5)
+    blm.set_defaults(run=lazy("moeshard.bench.lm_head", "run_bench_lm_head"))
+    bkern = registry.command(
+        "benchmark", "bench kernels", "moeshard.kernels (CPU) vs torch's ops, decode and prefill shapes",
+        "moeshard bench kernels --threads 1 --dtype bfloat16", under=bench,
+    )
+    bkern.add_argument("--threads", type=int, default=1)
+    bkern.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    bkern.add_argument("--repeats", type=int, default=5, help="alternations per case; medians and spread reported")
+    bkern.add_argument("--json", metavar="PATH")
+    bkern.set_defaults(run=lazy("moeshard.bench.kernels", "run_bench_kernels"))
+
+    be2e = registry.command(
+        "benchmark", "bench e2e", "engine useful output tokens/s vs. transformers (static, continuous batching) and vLLM's CPU engine",
+        "moeshard bench e2e --against vllm,transformers --threads 1,2 --repeats 3", under=bench,
+    )
+    be2e.add_argument("--concurrency", type=int_list, default=[1, 16, 64])
+    be2e.add_argument("--threads", type=int_list, default=[1, 2], help="torch threads, one setting after another")
+    be2e.add_argument("--num-requests", type=int, default=64)
+    be2e.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    be2e.add_argument("--output-lens", type=int, nargs=2, default=[8, 128], metavar=("MIN", "MAX"))
+    be2e.add_argument("--repeats", type=int, default=3, help="repetitions per point; medians and spread reported")
+    be2e.add_argument("--seed", type=int, default=0)
+    be2e.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                      help="the random weights are written, and every contender serves them, in this dtype")
+    be2e.add_argument("--model-shapes", type=lambda t: t.split(","), default=["small"],
+                      help="comma-separated: small, qwen3-30b-a3b (2 layers of Qwen3-30B-A3B, ~3.7 GB in bf16)")
+    be2e.add_argument("--against", default="transformers",
+                      help="comma-separated peers: transformers (static and continuous batching), vllm (scripts/peers.sh), "
+                           "moeshard-batch-invariant (the cost of --batch-invariant)")
+    be2e.add_argument("--plot", metavar="PNG", help="tokens/s against concurrency, one panel per model, dtype, threads")
+    be2e.add_argument("--json", metavar="PATH")
+    be2e.set_defaults(run=lazy("moeshard.bench.e2e", "run_bench_e2e"))
+    bsrv = registry.command(
+        "benchmark", "bench serve", "a serving benchmark client (vllm bench serve's shape), optionally against transformers serve",
+        "moeshard bench serve --against vllm --max-concurrency 16 --repeats 5 --threads 1", under=bench,
+    )
+    bsrv.add_argument("--base-url", default=None, help="benchmark a running server instead of starting moeshard serve")
+    bsrv.add_argument("--model", default=None, metavar="DIR", help="weights and tokenizer (default: bench e2e's random Qwen3-MoE, made for the run)")
+    bsrv.add_argument("--against", default=None,
+                      help="comma-separated servers to start beside moeshard serve: transformers (serve --continuous-batching), "
+                           "vllm (its OpenAI server, scripts/peers.sh), moeshard-no-cache (without prefix caching), "
+                           "moeshard-one-process (the engine in the API server's process)")
+    bsrv.add_argument("--dataset", choices=("random", "prefix"), default="random",
+                      help="prefix: every prompt starts with one shared --prefix-len tokens")
+    bsrv.add_argument("--prefix-len", type=int, default=1024)
+    bsrv.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                      help="the random model is written, and every server started here serves it, in this dtype")
+    bsrv.add_argument("--num-prompts", type=int, default=64)
+    bsrv.add_argument("--random-input-len", type=int, default=72)
+    bsrv.add_argument("--random-output-len", type=int, default=68)
+    bsrv.add_argument("--random-range-ratio", type=float, default=0.77, help="lengths uniform over [len(1-r), len(1+r)]")
+    bsrv.add_argument("--max-concurrency", type=int_list, default=[16])
+    bsrv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals")
+    bsrv.add_argument("--num-warmups", type=int, default=2)
+    bsrv.add_argument("--repeats", type=int, default=3)
+    bsrv.add_argument("--threads", type=int, default=1, help="torch threads of each server started here")
+    bsrv.add_argument("--seed", type=int, default=0)
+    bsrv.add_argument("--json", metavar="PATH")
+    bsrv.add_argument("--plot", metavar="PNG")
+    bsrv.set_defaults(run=lazy("moeshard.bench.serve", "run_bench_serve"))
+    bsoak = registry.command(
+        "benchmark", "bench soak", "a long run of moeshard serve under disconnects and bad requests: no 5xx, no leak, idle after",
+        "moeshard bench soak --minutes 3 --concurrency 16", under=bench,
+    )
+    bsoak.add_argument("--minutes", type=float, default=3.0)
+    bsoak.add_argument("--concurrency", type=int, default=16, help="clients, each streaming one request at a time")
+    bsoak.add_argument("--disconnect", type=float, default=0.1, help="share of clients that leave after the first chunk")
+    bsoak.add_argument("--bad", type=float, default=0.1, help="share of bad requests (each must get its 4xx)")
+    bsoak.add_argument("--dp", type=int, default=2)
+    bsoak.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True)
+    bsoak.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    bsoak.add_argument("--max-growth", type=float, default=0.10, help="resident memory growth allowed after the first third")
+    bsoak.add_argument("--seed", type=int, default=0)
+    bsoak.add_argument("--json", metavar="PATH")
+    bsoak.set_defaults(run=lazy("moeshard.bench.soak", "run_bench_soak"))
+

@@ -1,0 +1,117 @@
+"""What every command group shares: its registration (one line of help, grouped; an example) and
+the arguments several groups take. Each group's parser lives next to the code it drives
+(`serve/commands.py`, `demos/commands.py`, `verify/commands.py`, `bench/commands.py`); `cli.py`
+puts them together. Nothing here imports the rest of moeshard, so `moeshard --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+from dataclasses import dataclass, field
+
+GROUPS = ("serve", "run", "prove", "benchmark")
+METHODS = ("auto", "allgather", "alltoall", "mc2", "fused_mc2")
+
+
+@dataclass
+class Registry:
+    """Adds commands to a subparsers action and remembers each one's group and line of help."""
+
+    commands: argparse._SubParsersAction
+    lines: list[tuple[str, str, str]] = field(default_factory=list)  # (group, name, help)
+
+    def command(self, group: str, name: str, summary: str, example: str, under=None) -> argparse.ArgumentParser:
+        """A command (or, `under` a command's subparsers, a subcommand) with its summary and an example."""
+        if group not in GROUPS:
+            raise ValueError(f"unknown command group {group!r}; known: {', '.join(GROUPS)}.")
+        # A subcommand is listed in its parent's help; a command only in the grouped list.
+        listed = {} if under is None else {"help": summary}
+        parser = (under or self.commands).add_parser(
+            name.split()[-1], description=summary, epilog=f"example:\n  {example}",
+            formatter_class=argparse.RawDescriptionHelpFormatter, **listed,
+        )
+        self.lines.append((group, name, summary))
+        return parser
+
+    def parent(self, name: str, summary: str, dest: str) -> argparse._SubParsersAction:
+        """A command whose subcommands carry the work (`verify layer`, `bench e2e`): their subparsers."""
+        parser = self.commands.add_parser(name, description=summary)
+        return parser.add_subparsers(dest=dest, required=True, metavar="WHAT")
+
+    def grouped_help(self) -> str:
+        width = max(len(name) for _, name, _ in self.lines) + 2
+        out = []
+        for group in GROUPS:
+            out.append(f"{group}:")
+            out += [f"  {name:<{width}}{summary}" for g, name, summary in self.lines if g == group]
+        return "\n".join(out) + "\n\n`moeshard COMMAND --help` for a command's options and an example."
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    return values
+
+
+def add_layout(parser: argparse.ArgumentParser, sp: bool = True) -> None:
+    """--tp, --dp, --ep (and --sp): one layout, as `LLM` takes it."""
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP group")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel groups")
+    parser.add_argument("--ep", action=argparse.BooleanOptionalAction, default=False, help="expert parallelism over all ranks")
+    if sp:
+        parser.add_argument("--sp", action="store_true", help="sequence parallelism (rows split over TP between blocks)")
+
+
+def add_compile(parser: argparse.ArgumentParser, help: str = "compile the model once (dynamic shapes, no guards)") -> None:
+    parser.add_argument("--compile", action="store_true", help=help)
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager traces fastest)")
+
+
+def add_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+        help="auto: bf16 for a bf16 (or fp16) checkpoint, as the bundled model is; else fp32",
+    )
+
+
+def add_batch_invariant(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a request's tokens and logprobs bitwise the same whatever runs beside it (docs/DESIGN.md §11)")
+
+
+def progress_bar(label: str, console):
+    """A bar with a count, the current item and the time so far (rich)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                    TimeElapsedColumn(), console=console)
+
+
+@contextlib.contextmanager
+def row_progress(label: str, console, total: int, line):
+    """A progress bar that each finished row (with `.layout` and `.method`) advances; `line(row)`
+    is printed above it. Yields the callback for the rows."""
+    with progress_bar(label, console) as progress:
+        task = progress.add_task("", total=total)
+
+        def on_row(row) -> None:
+            progress.console.print(line(row))
+            progress.update(task, advance=1, description=f"{row.layout} {row.method}")
+
+        yield on_row
+
+
+def lazy(module: str, function: str):
+    """The command's runner `module.function`, imported only when the command runs (so that
+    `moeshard --help` does not import what each command drives)."""
+
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), function)(args)
+
+    return run
