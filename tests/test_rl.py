@@ -85,12 +85,14 @@ def test_batch_invariant_loop_trains_on_the_engines_logprobs_bit_for_bit():
 
 
 def test_disaggregated_loop_syncs_weights_to_a_server_every_step(tmp_path):
-    """`moeshard serve` 1x2-ep in processes of its own, rollouts over HTTP, weights over the group:
-    every rollout answer names the version sent after the step before (the loop checks), the
-    trainer agrees to 1e-4, and routing replay compared every routed token with its own routers."""
-    records = run_disaggregated(RLOptions(**FEW), replay=True, log_dir=tmp_path)
+    """`moeshard serve --batch-invariant` 1x2-ep in processes of its own, rollouts over HTTP, weights
+    over the group: every rollout answer names the version sent after the step before (the loop
+    checks), the trainer's logprobs are the server's bit for bit (EngineMirror; tolerance 0), and
+    routing replay compared every routed token with the trainer's own routers."""
+    options = RLOptions(**FEW, grpo=GRPOConfig(batch_invariant=True, tolerance=0.0))
+    records = run_disaggregated(options, replay=True, log_dir=tmp_path)
     assert [r.step for r in records] == [0, 1, 2, 3]
-    assert all(r.max_abs_dlogprob <= 1e-4 for r in records[1:])
+    assert [r.max_abs_dlogprob for r in records[1:]] == [0.0, 0.0, 0.0]
     assert all(r.update_s > 0 for r in records[1:])
     assert all(r.routing_disagreement is not None and r.routing_disagreement < 0.01 for r in records[1:])
     assert [r.accuracy is not None for r in records] == [True, False, True, True]

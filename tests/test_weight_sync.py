@@ -17,6 +17,7 @@ from moeshard import LLM, SamplingParams
 from moeshard.bench.servers import free_port
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
 from moeshard.engine.weight_sync import ShardBuffer, TensorMeta
+from moeshard.parallel import Layout
 
 PROMPTS = [p.prompt for p in held_out(8)]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
@@ -66,10 +67,10 @@ def sending(group, tensors: list[torch.Tensor]) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_an_sglang_trainer_updates_the_engine_as_update_weights_does(dp):
-    weights = moved(3)
-    with LLM(data_parallel_size=dp, enable_expert_parallel=dp > 1) as llm:
+@pytest.mark.parametrize("label", ["1x1", "1x2-ep", "2x1"])  # whole tensors, experts by EP rank, TP slices
+def test_an_sglang_trainer_updates_the_engine_as_update_weights_does(label):
+    weights, layout = moved(3), Layout.parse(label)
+    with LLM(tensor_parallel_size=layout.tp, data_parallel_size=layout.dp, enable_expert_parallel=layout.ep) as llm:
         group, name = joined_engine(llm)
         names, dtypes, shapes = meta(weights)
         thread = sending(group, [weights[n] for n in names])
