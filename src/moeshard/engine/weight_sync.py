@@ -28,6 +28,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from moeshard.engine.lifecycle import UPDATE_IN_FLIGHT
 from moeshard.models.checkpoint import TensorSource
+from moeshard.models.loader import load_weights
 
 BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # backend → the device its tensors live on
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -237,9 +238,7 @@ class RankWeightSync:
         self.received = buffer
 
     def write_received(self) -> None:
-        model, source = self.runner.model, self.received
-        for part in model.parts():
-            model.load_part(source, part)
+        load_weights(self.runner.model, self.received)
         self.received = None
 
     def drop_received(self) -> None:

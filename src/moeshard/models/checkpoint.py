@@ -74,6 +74,10 @@ class TensorSource:
     def __contains__(self, name: str) -> bool:
         raise NotImplementedError
 
+    def skips(self, name: str) -> bool:
+        """A partial source that does not name `name`: its blocks keep their values."""
+        return self.partial and name not in self
+
     def shape(self, name: str) -> tuple[int, ...]:
         raise NotImplementedError
 

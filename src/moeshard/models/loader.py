@@ -72,7 +72,7 @@ def write(param: nn.Parameter, load: ShardLoad, source: TensorSource) -> None:
     if load.padding is not None:
         param.data[load.padding].zero_()
     for b in load.blocks:
-        if source.partial and b.name not in source:
+        if source.skips(b.name):
             continue
         block = source.read(b.name, b.shape, b.index)
         if b.view is not None:
@@ -84,7 +84,7 @@ def load_module(module: nn.Module, source: TensorSource) -> None:
     """Every parameter of `module` (and its submodules), straight from `source`."""
     for m in module.modules():
         for b in getattr(m, "checked_blocks", ()):
-            if not (source.partial and b.name not in source):
+            if not source.skips(b.name):
                 source.check(b.name, b.shape)
         for param in m.parameters(recurse=False):
             write(param, param.shard_load, source)
