@@ -78,7 +78,6 @@ class EngineLoop:
         self.calls: list[tuple[int, str, tuple]] = []
         self.lost: BaseException | None = None  # a rank lost while the loop may be idle
         self.closing = False
-        self.paused: str | None = None  # the pause mode in force
         self.draining: int | None = None  # the call id of a pause(mode=wait) whose requests still run
         self.held: list[tuple[int, list[int], SamplingParams, str | None]] = []  # arrived during a pause
         llm.on_rank_lost(self.notice_loss)
@@ -93,6 +92,15 @@ class EngineLoop:
 
     def call(self, call_id: int, method: str, args: tuple) -> None:
         self.put(self.calls, (call_id, method, args))
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force; the core keeps it, so that an update knows its requests are parked."""
+        return self.core.paused
+
+    @paused.setter
+    def paused(self, mode: str | None) -> None:
+        self.core.paused = mode
 
     def put(self, queue: list, item) -> None:
         with self.lock:

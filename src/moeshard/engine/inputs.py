@@ -80,6 +80,8 @@ class Inputs:
             raise RequestError("the prompt is empty.", "prompt")
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestError(f"the prompt has a token id outside the vocabulary [0, {self.vocab_size}).", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids has a token id outside the vocabulary [0, {self.vocab_size}).", "stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}.", "prompt")
         capacity = self.num_blocks * self.block_size

@@ -108,17 +108,18 @@ class Choice:
     finish_reason: str | None = None
     cache_salt: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    weight_version: str | None = None  # the weights that produced it
+    weight_version: str | None = None  # the weights in force for it last
+    weight_versions: list[dict] = field(default_factory=list)  # which weights sampled which tokens (RequestDelta)
     routed_experts: list[list[list[int]]] | None = None  # asked with return_routed_experts: see RequestDelta
 
 
 def extras(body, choice: Choice, delta: RequestDelta | None = None) -> dict:
     """A choice's fields past OpenAI's, for the whole choice or one streamed `delta` of it: the
-    weights that produced it; with return_token_ids its token ids (the prompt's once: on the last
+    weights that produced it (the version in force, and the spans of tokens each version sampled); with return_token_ids its token ids (the prompt's once: on the last
     chunk); with return_routed_experts, `routed_experts` ([token][MoE layer][top_k] expert ids: the
     finished delta carries them)."""
     part = choice if delta is None else delta
-    out = {"weight_version": part.weight_version}
+    out = {"weight_version": part.weight_version, "weight_versions": part.weight_versions}
     if body.return_token_ids:
         out["token_ids"] = part.token_ids
         if delta is None or delta.finished:
@@ -198,6 +199,7 @@ class Server:
                 choice.token_ids += delta.token_ids
                 choice.logprobs += delta.logprobs or []
                 choice.cached_tokens, choice.weight_version = delta.cached_tokens, delta.weight_version
+                choice.weight_versions = delta.weight_versions
                 if delta.finished:
                     choice.finish_reason, live = delta.finish_reason, live - 1
                     choice.routed_experts = delta.routed_experts

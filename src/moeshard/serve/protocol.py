@@ -40,6 +40,9 @@ class Sampling(BaseModel):
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached blocks
     return_routed_experts: bool = False  # each choice gets `routed_experts` (SamplingParams.return_routed_experts)
     return_token_ids: bool = False  # vLLM's: each choice gets its `token_ids` and `prompt_token_ids`
+    stop_token_ids: list[int] | None = None  # vLLM's: sampling one of these ends the choice (reason stop)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"  # vLLM's (SamplingParams)
+    kv_after_update: Literal["keep", "recompute"] | None = None  # SamplingParams.kv_after_update
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -52,7 +55,8 @@ class Sampling(BaseModel):
         return dict(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), max_tokens=max_tokens,
             stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            return_routed_experts=self.return_routed_experts,
+            return_routed_experts=self.return_routed_experts, stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs_mode=self.logprobs_mode, kv_after_update=self.kv_after_update,
         )
 
     def seeds(self) -> list[int | None]:
