@@ -4,7 +4,7 @@ One thread owns the engine core, the `EngineLoop`: it applies the requests, abor
 calls that arrived since the last step, steps while any request is live, and reports each step's
 deltas to its sink. `AsyncLLM` is the sink on the asyncio side: every delta goes to its request's
 queue, with one wake-up of each event loop per step. The loop runs in the caller's process
-(`AsyncLLM.in_process`) or in an engine process of its own (`AsyncLLM.in_engine_process`,
+(`AsyncLLM.in_process`) or in an engine process of its own (`in_engine_process` of
 moeshard.engine.engine_process), where a forward never waits for the GIL behind HTTP and JSON: the
 split of vLLM's API server and engine core. Both take the same calls and report the same events;
 a control call names a method of the LLM, so that it can cross the process boundary.
@@ -231,14 +231,6 @@ class AsyncLLM:
     def in_process(cls, llm) -> "AsyncLLM":
         """The loop in a thread of this process, over `llm` (an LLM)."""
         return cls(llm, lambda sink: EngineLoop(llm, sink))
-
-    @classmethod
-    def in_engine_process(cls, **llm_options) -> "AsyncLLM":
-        """The loop and the LLM(**llm_options) in an engine process of their own; returns once the
-        engine is up (an engine that cannot start raises here, with its reason)."""
-        from moeshard.engine.engine_process import EngineProcess, inputs_of
-
-        return cls(inputs_of(llm_options), lambda sink: EngineProcess(llm_options, sink))
 
     # --- the asyncio side -----------------------------------------------------------------------
 

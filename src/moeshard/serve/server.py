@@ -21,6 +21,7 @@ import uvicorn
 
 from moeshard.engine import LLM
 from moeshard.engine.async_llm import AsyncLLM
+from moeshard.engine.engine_process import in_engine_process
 from moeshard.parallel import Layout
 from moeshard.parallel.launch import under_torchrun
 from moeshard.serve.app import ServeSettings, build_app, default_max_request_bytes
@@ -44,7 +45,7 @@ def serve_command(args: argparse.Namespace) -> int:
     own_process = args.engine_process if args.engine_process is not None else not under_torchrun()
     if own_process and under_torchrun():
         raise ValueError("--engine-process is not available under torchrun: rank 0's engine runs in torchrun's process.")
-    engine = AsyncLLM.in_engine_process(**options) if own_process else AsyncLLM.in_process(LLM(**options))
+    engine = in_engine_process(**options) if own_process else AsyncLLM.in_process(LLM(**options))
     try:
         name = args.served_model_name or args.model or BUNDLED_NAME
         max_bytes = args.max_request_bytes or default_max_request_bytes(engine.inputs.max_model_len)
