@@ -134,7 +134,9 @@ class UpdateFromDiskRequest(WeightUpdate):
 class InitWeightsGroupRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     master_address: str
-    master_port: int = Field(gt=0, lt=65536)
+    # AReaL sends the port as a string (areal/engine/sglang_remote.py: str(meta.nccl_master_port)); SGLang's
+    # pydantic body takes either.
+    master_port: int = Field(gt=0, lt=65536, strict=False)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     group_name: str = "weight_update_group"
