@@ -146,6 +146,13 @@ class EngineCore:
         for group in self.groups:
             group.blocks.version += 1
 
+    def name_weights(self, weight_version: str) -> None:
+        """The weights in force are `weight_version` from here on: for new requests, and for the next
+        tokens of those in flight."""
+        self.weight_version = weight_version
+        for request, _ in self.requests.values():
+            request.weight_version = weight_version
+
     def weights_updated(self, kv_after_update: str) -> None:
         """New weights are in: every parked request runs on them from its next token, and its K/V is
         kept or (by its own kv_after_update, else the engine's) recomputed under them first."""

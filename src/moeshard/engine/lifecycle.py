@@ -189,9 +189,18 @@ class EngineLifecycle:
         generation = self.ranks.call("rebuild_derived")[0] if self.rebuild_derived else None
         self.weights_lost = False
         if weight_version is not None:
-            self.weight_version = self.core.weight_version = weight_version
+            self.update_weight_version(weight_version)
         self.core.weights_updated(self.kv_after_update)
         return generation
+
+    def update_weight_version(self, weight_version: str) -> None:
+        """Name the weights in force `weight_version` from here on (SGLang's /update_weight_version):
+        a label only — the weights, the KV cache and the prefix cache stay as they are. Requests in
+        flight run on these weights, so their next tokens carry the new name (a new span)."""
+        if not weight_version:
+            raise ValueError("weight_version must be a non-empty string.")
+        self.weight_version = weight_version
+        self.core.name_weights(weight_version)
 
     def update_weights_from_disk(
         self, directory: str | Path, weight_version: str | None = None, abort_running: bool = False
