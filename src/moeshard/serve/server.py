@@ -25,6 +25,8 @@ from moeshard.engine.engine_process import in_engine_process
 from moeshard.parallel import Layout
 from moeshard.parallel.launch import under_torchrun
 from moeshard.serve.app import ServeSettings, build_app, default_max_request_bytes
+from moeshard.serve.sglang import add_sglang_routes
+from moeshard.serve.vllm import add_vllm_routes
 
 BUNDLED_NAME = "moeshard-arithmetic"
 ENGINE_LOST_EXIT = 1
@@ -50,8 +52,11 @@ def serve_command(args: argparse.Namespace) -> int:
         name = args.served_model_name or args.model or BUNDLED_NAME
         max_bytes = args.max_request_bytes or default_max_request_bytes(engine.inputs.max_model_len)
         settings = ServeSettings(name, args.api_key, args.enable_sleep_mode, max_request_bytes=max_bytes)
+        app = build_app(engine, settings)
+        for add_profile in (add_sglang_routes, add_vllm_routes):  # the drop-in profiles (docs/serving.md)
+            add_profile(app, app.state.server)
         config = uvicorn.Config(
-            build_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
+            app, host=args.host, port=args.port, log_level=args.log_level,
             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
         )
         server = uvicorn.Server(config)
