@@ -117,6 +117,19 @@ def test_generate_equals_completions_on_both_profiles(server, prompts):
             assert logprobs == [e["logprob"] for e in vllm["logprobs"]["content"]]
             assert all(lp == 0 for lp in logprobs) == certain
 
+        # min_tokens (SGLang's min_new_tokens; SkyRL sends min_tokens 1 with every generate): no EOS
+        # before it, on both profiles alike
+        natural = c.post("/generate", json={"input_ids": ids, "sampling_params": {**GREEDY, "max_new_tokens": 12}}).json()
+        longer = len(natural["output_ids"]) + 2
+        at_least = [
+            c.post("/generate", json={"input_ids": ids, "sampling_params": {**GREEDY, "max_new_tokens": 12,
+                                                                              "min_new_tokens": longer}}).json()["output_ids"],
+            c.post("/inference/v1/generate", json={"token_ids": ids, "sampling_params": {
+                "temperature": 0, "max_tokens": 12, "min_tokens": longer}}).json()["choices"][0]["token_ids"],
+        ]
+        eos = natural["output_ids"][-1]
+        assert at_least[0] == at_least[1] and len(at_least[0]) >= longer and eos not in at_least[0][:longer]
+
         batch = c.post("/generate", json={"input_ids": prompts[:2], "sampling_params": GREEDY}).json()
         assert [b["output_ids"] for b in batch] == [
             c.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY}).json()["output_ids"] for ids in prompts[:2]

@@ -230,11 +230,17 @@ class EngineCore:
         for s in scheduled:
             if s.request.id not in self.announced:
                 self.announced.add(s.request.id)
-                new.append(NewRequest(s.request.id, s.request.seed, s.request.params))
+                new.append(NewRequest(s.request.id, s.request.seed, s.request.params, self.suppressed(s.request.params)))
         chunks = [
             PlannedChunk(s.request.id, chunk_of(s), s.samples, s.request.params.return_routed_experts) for s in scheduled
         ]
         return GroupPlan(new, chunks)
+
+    def suppressed(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids a request may not sample before its min_tokens: EOS (unless ignored) and its stop ids."""
+        if not params.min_tokens:
+            return ()
+        return tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.rules.eos)))
 
     def delta(self, request: Request) -> RequestDelta:
         """The tokens and text `request` has not yet handed out. While it runs, text that could be the

@@ -10,7 +10,8 @@ integers: float64 holds them exactly). Nothing hidden- or vocabulary-sized is in
 
     plan    = [num_groups, num_finished, finished ids…, group 0, group 1, …]
     group   = [num_new, new request…, num_chunks, chunk…]
-    new     = [id, seed, temperature bits, top_k, top_p bits, logprobs (-1: none), logprobs mode]
+    new     = [id, seed, temperature bits, top_k, top_p bits, logprobs (-1: none), logprobs mode,
+               min_tokens, num_suppressed, ids it may not sample before min_tokens…]
     chunk   = [id, start, samples, records_routing, num_tokens, num_blocks, tokens…, blocks…]
     results = [num_samples, sample…, routing…]
     sample  = [token, logprob, N, (token, logprob) × N]
@@ -35,7 +36,8 @@ NO_LOGPROBS = -1
 class NewRequest:
     id: int
     seed: int
-    params: SamplingParams  # only the sampler's fields travel: temperature, top_k, top_p, logprobs and their mode
+    params: SamplingParams  # only the sampler's fields travel: temperature, top_k, top_p, logprobs and their mode, min_tokens
+    suppressed: tuple[int, ...] = ()  # not sampled before min_tokens: EOS (unless ignored) and the stop ids
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ def encode_plan(plan: StepPlan) -> torch.Tensor:
             logprobs = NO_LOGPROBS if p.logprobs is None else p.logprobs
             mode = LOGPROBS_MODES.index(p.logprobs_mode)
             out += [r.id, r.seed, float_bits(p.temperature), p.top_k, float_bits(p.top_p), logprobs, mode]
+            out += [p.min_tokens, len(r.suppressed), *r.suppressed]
         out.append(len(group.chunks))
         for c in group.chunks:
             out += [c.request_id, c.chunk.start, int(c.samples), int(c.records_routing)]
@@ -95,12 +98,13 @@ def decode_plan(plan_P: torch.Tensor) -> StepPlan:
     for _ in range(num_groups):
         new = []
         for _ in range(next(values)):
-            rid, seed, temperature, top_k, top_p, logprobs, mode = take(7)
+            rid, seed, temperature, top_k, top_p, logprobs, mode, min_tokens = take(8)
             params = SamplingParams(
                 temperature=bits_float(temperature), top_k=top_k, top_p=bits_float(top_p),
                 logprobs=None if logprobs == NO_LOGPROBS else logprobs, logprobs_mode=LOGPROBS_MODES[mode],
+                max_tokens=max(min_tokens, 1), min_tokens=min_tokens,
             )
-            new.append(NewRequest(rid, seed, params))
+            new.append(NewRequest(rid, seed, params, tuple(take(next(values)))))
         chunks = []
         for _ in range(next(values)):
             rid, start, samples, records, num_tokens, num_blocks = take(6)

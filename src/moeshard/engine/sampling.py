@@ -30,6 +30,8 @@ class SamplingParams:
     # routing replay in a trainer); such a request never reads the prefix cache (docs/DESIGN.md §7).
     return_routed_experts: bool = False
     stop_token_ids: tuple[int, ...] = ()  # sampling any of these ends the request (reason "stop"), EOS or not
+    # vLLM's: EOS and stop_token_ids are never sampled, and no stop ends the request, before this many tokens
+    min_tokens: int = 0
     # vLLM's: logprobs of the model's raw logits, or of the distribution actually sampled from (after
     # temperature, top-k and top-p; a greedy request's are then those of its top-k / top-p only).
     logprobs_mode: str = "raw_logprobs"
@@ -51,6 +53,8 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must not be negative, got {self.logprobs}.")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}.")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be {' or '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
         if self.kv_after_update not in (None, *KV_AFTER_UPDATE):
@@ -95,12 +99,20 @@ def draw(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sample_batch(
-    logits_NV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits_NV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    suppressed: list[tuple[int, ...]] | None = None,
 ) -> list[Sample]:
-    """A token for each row: greedy rows share one argmax; the others draw with their own generator."""
+    """A token for each row: greedy rows share one argmax; the others draw with their own generator.
+    `suppressed[i]`: ids row i may not sample (a request short of its min_tokens: EOS and its stop
+    ids); its raw logprobs are still the model's, its processed ones the masked distribution's."""
+    raw_NV = logits_NV
+    if suppressed is not None and any(suppressed):
+        logits_NV = logits_NV.clone()
+        for i, ids in enumerate(suppressed):
+            logits_NV[i, list(ids)] = float("-inf")
     greedy_N = logits_NV.argmax(-1).tolist()
     wants_logprobs = any(p.logprobs is not None for p in params)
-    logprobs_NV = logits_NV.log_softmax(-1) if wants_logprobs else None
+    logprobs_NV = raw_NV.log_softmax(-1) if wants_logprobs else None
     samples = []
     for i, (p, generator) in enumerate(zip(params, generators)):
         token = greedy_N[i] if p.temperature == 0 else draw(logits_NV[i], p, generator)

@@ -193,17 +193,25 @@ class Scheduler:
                 self.append(chunk.request, next(drawn))
 
     def append(self, request: Request, sample: Sample) -> None:
-        params, rules = request.params, self.rules
         request.append_token(sample)
-        if (sample.token in rules.eos and not params.ignore_eos) or sample.token in params.stop_token_ids:
-            return self.finish(request, "stop", matched=sample.token)
+        if len(request.output_ids) >= request.params.min_tokens:  # before min_tokens no stop ends it
+            stop = self.stop_of(request, sample.token)
+            if stop is not None:
+                return self.finish(request, "stop", *stop)
+        if len(request.output_ids) >= request.params.max_tokens or request.num_tokens >= self.rules.max_model_len:
+            self.finish(request, "length")
+
+    def stop_of(self, request: Request, token: int) -> tuple[str | None, int | str] | None:
+        """(final text, what matched) if the request's newest token stops it: EOS, a stop id, a stop string."""
+        params, rules = request.params, self.rules
+        if (token in rules.eos and not params.ignore_eos) or token in params.stop_token_ids:
+            return None, token
         if params.stop:
             text = rules.decode(request.output_ids)
             for stop in params.stop:
                 if stop in text:
-                    return self.finish(request, "stop", text[: text.index(stop)], stop)
-        if len(request.output_ids) >= params.max_tokens or request.num_tokens >= rules.max_model_len:
-            self.finish(request, "length")
+                    return text[: text.index(stop)], stop
+        return None
 
     def finish(self, request: Request, reason: str, text: str | None = None, matched: int | str | None = None) -> None:
         """End `request` (running, or still waiting when aborted); its blocks are free at once."""

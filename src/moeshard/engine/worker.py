@@ -38,6 +38,16 @@ class WorkerConfig:
     batch_invariant: bool = False
 
 
+@dataclass
+class Sampler:
+    """A request's sampling state on the rank that samples it."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    suppressed: tuple[int, ...]  # ids it may not sample before params.min_tokens
+    drawn: int = 0  # tokens sampled so far (a recompute's prefill samples only its next token)
+
+
 class Worker(RankLifecycle, RankWeightSync):
     def __init__(self, config: WorkerConfig):
         self.config, self.model_dir = config, config.model
@@ -46,7 +56,7 @@ class Worker(RankLifecycle, RankWeightSync):
         model = load_model(config.model, getattr(torch, config.dtype))
         force, policy = method_policy(config.moe_comm)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, policy, force, config.compile_backend)
-        self.samplers: dict[int, tuple[SamplingParams, torch.Generator]] = {}  # on TP rank 0: its group's requests
+        self.samplers: dict[int, Sampler] = {}  # on TP rank 0: its group's requests
         self.forward_s = 0.0  # time in the model's forward, all steps
         self.weight_groups: dict[str, WeightsGroup] = {}  # the trainers' groups this rank joined, by name
 
@@ -77,7 +87,7 @@ class Worker(RankLifecycle, RankWeightSync):
         for request_id in plan.finished:
             self.samplers.pop(request_id, None)
         for r in group.new:
-            self.samplers[r.id] = (r.params, torch.Generator().manual_seed(r.seed))
+            self.samplers[r.id] = Sampler(r.params, torch.Generator().manual_seed(r.seed), r.suppressed)
         routing = [
             Routing(c.request_id, c.chunk.start, experts_TYK)
             for c, experts_TYK in zip(group.chunks, routed)
@@ -86,9 +96,13 @@ class Worker(RankLifecycle, RankWeightSync):
         ready = [i for i, c in enumerate(group.chunks) if c.samples]
         if not ready:
             return encode_results([], routing)
-        params, generators = zip(*(self.samplers[group.chunks[i].request_id] for i in ready))
+        samplers = [self.samplers[group.chunks[i].request_id] for i in ready]
         logits_NV = logits if len(ready) == len(logits) else logits[ready]
-        return encode_results(sample_batch(logits_NV, params, generators), routing)
+        suppressed = [s.suppressed if s.drawn < s.params.min_tokens else () for s in samplers]
+        samples = sample_batch(logits_NV, [s.params for s in samplers], [s.generator for s in samplers], suppressed)
+        for sampler in samplers:
+            sampler.drawn += 1
+        return encode_results(samples, routing)
 
     def moe_stats(self) -> tuple[dict[str, int], list[int]]:
         """Steps by MoE method, and the (token, expert) pairs this rank routed to each EP rank."""

@@ -211,6 +211,7 @@ class TokenSampling(NullIsDefault):
     # moeshard's: after a weight update under a keep pause, keep this request's KV or recompute it
     # (None: the server's --kv-after-update)
     kv_after_update: Literal["keep", "recompute"] | None = None
+    min_tokens: int = Field(0, ge=0)  # SamplingParams.min_tokens (SGLang names it min_new_tokens)
 
     def options(self, logprobs: int | None, routed: bool) -> dict:
         """SamplingParams fields but max_tokens and seed."""
@@ -219,6 +220,7 @@ class TokenSampling(NullIsDefault):
             top_k=max(self.top_k, 0), stop=stop_strings(self.stop, "sampling_params.stop"),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
             logprobs_mode=self.logprobs_mode, kv_after_update=self.kv_after_update, return_routed_experts=routed,
+            min_tokens=self.min_tokens,
         )
 
 

@@ -47,6 +47,7 @@ class SGLangSampling(TokenSampling):
     skip_special_tokens: bool = True  # how `text` is decoded
     no_stop_trim: bool = False  # True: `text` keeps the stop token or string that ended it
     sampling_seed: int | None = None  # choice i of n gets sampling_seed + i
+    min_tokens: int = Field(0, ge=0, alias="min_new_tokens")
     # Taken at any value: they shape `text` or the stream's cadence, never a token. slime sends
     # spaces_between_special_tokens=False, and custom_params with top_p < 1 (read only by a
     # custom_logit_processor, which is refused).
@@ -58,7 +59,6 @@ class SGLangSampling(TokenSampling):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -68,7 +68,7 @@ class SGLangSampling(TokenSampling):
 
     NO_OPS: ClassVar[dict[str, tuple]] = {
         "min_p": (0,), "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-        "min_new_tokens": (0,), "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+        "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
         "stop_regex": (None,), "logit_bias": (None, {}),
     }
 
@@ -98,7 +98,8 @@ class GenerateRequest(NullIsDefault):
     routed_experts_start_len: int = Field(0, ge=0)  # io_struct.py: rows [start, seqlen - 1); start ≤ prompt
     extra_key: str | None = Field(None, min_length=1)  # SGLang's cache namespace (a cache_salt): moeshard's cache_salt
     log_metrics: bool = True
-    # Taken only at the value that changes nothing (NO_OPS).
+    # Taken only at the values that change nothing (NO_OPS): AReaL sends image_data [] with every
+    # text prompt (areal/engine/sglang_remote.py: "image_data": req.image_data, a list by default).
     input_embeds: Any = None
     image_data: Any = None
     video_data: Any = None
@@ -112,7 +113,7 @@ class GenerateRequest(NullIsDefault):
     data_parallel_rank: Any = None
 
     NO_OPS: ClassVar[dict[str, tuple]] = {
-        name: (None,) for name in ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
+        name: (None, []) for name in ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
                                    "custom_logit_processor", "session_params", "token_ids_logprob",
                                    "routed_dp_rank", "data_parallel_rank")
     } | {"return_hidden_states": (False,)}

@@ -76,7 +76,6 @@ class VLLMSampling(TokenSampling):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
-    min_tokens: int = 0
     prompt_logprobs: int | None = None  # prompt logprobs are not computed by this engine
     prompt_logprob_token_ids: list[int] | None = None
     prompt_logprob_start: int | None = None
@@ -95,7 +94,7 @@ class VLLMSampling(TokenSampling):
 
     NO_OPS: ClassVar[dict[str, tuple]] = {
         "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
-        "min_tokens": (0,), "thinking_token_budget": (None, -1), "best_of": (None, 1),
+        "thinking_token_budget": (None, -1), "best_of": (None, 1),
     } | {name: (None,) for name in (
         "prompt_logprobs", "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids", "structured_outputs",
         "guided_decoding", "logit_bias", "allowed_token_ids", "bad_words", "repetition_detection",
