@@ -4,7 +4,9 @@ store prefix), so a trainer-side client written for SGLang works unchanged; each
 its shard; partial updates leave the rest; a broadcast that breaks off changes nothing."""
 
 import datetime
+import json
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 from moeshard import LLM, SamplingParams
 from moeshard.serve.launcher import free_port
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
+from moeshard.engine.payloads import flattened_bucket, read_payload
 from moeshard.engine.weight_sync import ShardBuffer, TensorMeta
 from moeshard.parallel import Layout
 
@@ -73,8 +76,9 @@ def test_an_sglang_trainer_updates_the_engine_as_update_weights_does(label):
     with LLM(tensor_parallel_size=layout.tp, data_parallel_size=layout.dp, enable_expert_parallel=layout.ep) as llm:
         group, name = joined_engine(llm)
         names, dtypes, shapes = meta(weights)
-        thread = sending(group, [weights[n] for n in names])
-        llm.update_weights_from_distributed(names, dtypes, shapes, name, weight_version="v1")
+        # SGLang's flattened bucket: one broadcast of the tensors' torch.cat (FlattenedTensorBucket)
+        thread = sending(group, [torch.cat([weights[n].reshape(-1) for n in names])])
+        llm.update_weights_from_distributed(names, dtypes, shapes, name, "flattened_bucket", weight_version="v1")
         thread.join()
         got = answers(llm)
         assert llm.get_model_info()["weight_version"] == "v1"
@@ -93,23 +97,47 @@ def test_an_sglang_trainer_updates_the_engine_as_update_weights_does(label):
 
         llm.update_weights(weights.items(), weight_version="direct")
         assert answers(llm) == got
-        llm.update_weights_from_tensor(save(norm))
+        llm.update_weights_from_tensor(flattened_bucket(norm.items()), "flattened_bucket")
         assert answers(llm) == partial
 
 
 def test_a_broadcast_that_breaks_off_changes_nothing_and_closes_the_group():
-    """The trainer announces every tensor and stops before the last: the engine's receive times out."""
+    """The trainer announces every tensor and stops before the last: the engine's wait for it times
+    out (per tensor); the group is closed, and destroying it (a framework's teardown) succeeds."""
     weights = moved(4)
     with LLM() as llm:
         before = answers(llm)
-        group, name = joined_engine(llm, timeout_s=3)
+        group, name = joined_engine(llm)
         names, dtypes, shapes = meta(weights)
         sending(group, [weights[n] for n in names[:-1]])  # then the trainer stops sending
+        start = time.monotonic()
         with pytest.raises(RuntimeError, match="broke off.*nothing was written"):
-            llm.update_weights_from_distributed(names, dtypes, shapes, name, weight_version="never")
+            llm.update_weights_from_distributed(names, dtypes, shapes, name, timeout_s=2, weight_version="never")
+        assert time.monotonic() - start < 2 + 10  # the last tensor's 2 s, not the group's 60
         assert answers(llm) == before and llm.get_model_info()["weight_version"] == "default"
-        with pytest.raises(ValueError, match="no weights group"):
+        llm.destroy_weights_update_group(name)
+        with pytest.raises(ValueError, match="no weights group"):  # as SGLang: a group never joined is refused
             llm.destroy_weights_update_group(name)
+
+
+def test_flattened_bucket_payloads_hold_each_dtype_and_refuse_bad_listings():
+    named = [("a", torch.arange(6, dtype=torch.bfloat16).view(2, 3)), ("b", torch.ones(4)), ("c", torch.zeros(1, dtype=torch.bfloat16))]
+    payload = flattened_bucket(named)
+    got = dict(read_payload(payload, "flattened_bucket"))
+    assert list(got) == ["a", "c", "b"] and all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in named)
+    assert [n for n, _ in read_payload(payload)] == ["bfloat16", "float32"]  # read plain: the flat buffers
+
+    def listing(**changes) -> bytes:
+        entry = {"name": "a", "shape": [2, 3], "dtype": "bfloat16", "start_idx": 0, "end_idx": 6, **changes}
+        return save({"flat": torch.zeros(6, dtype=torch.bfloat16)}, metadata={"flat": json.dumps([entry])})
+
+    assert read_payload(listing(dtype="float32"), "flattened_bucket")[0][1].dtype == torch.float32  # converted, as SGLang
+    for bad, message in [(listing(end_idx=5), "spans 5 elements"), (listing(start_idx=3, end_idx=9), "outside"),
+                         (listing(dtype="int8"), "not one of"), (listing(shape="23"), "non-negative integers"),
+                         (save({"flat": torch.zeros(6)}), "no listing"), (save({"flat": torch.zeros(2, 3)}), "1-D"),
+                         (b"not safetensors", "not a safetensors file")]:
+        with pytest.raises(ValueError, match=message):
+            read_payload(bad, "flattened_bucket")
 
 
 def test_a_rank_keeps_only_its_shard():

@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
 from moeshard.engine.core import INITIAL_VERSION
+from moeshard.engine.payloads import FLATTENED, SharedPayload, read_payload
 from moeshard.models.checkpoint import Checkpoint, TensorDict
 from moeshard.models.model import part_of, unused_by_design
 from moeshard.runtime import derived, memory
@@ -180,8 +180,15 @@ class EngineLifecycle:
         self.quiesce(abort_running, UPDATE_IN_FLIGHT, parked_may_stay=True)
         self.core.weights_changed()
         for part, tensors in parts.items():
-            self.ranks.call("update_part", part, tensors, complete)
+            self.ranks.call("update_part", part, self.for_ranks(tensors), complete)
         return self.weights_written(weight_version)
+
+    def for_ranks(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A part's tensors as they cross to the other ranks (pickled): a view of a larger buffer (a
+        flattened bucket's entry) would take the whole buffer along, so it goes as a copy of itself."""
+        if self.ranks.world_size == 1:
+            return tensors
+        return {n: t if t.untyped_storage().nbytes() == t.nbytes else t.clone() for n, t in tensors.items()}
 
     def weights_written(self, weight_version: str | None) -> int | None:
         """After new weights are in the parameters: rebuild the derived tensors, name the version,
@@ -214,17 +221,22 @@ class EngineLifecycle:
         return self.update_weights(named, weight_version, abort_running)
 
     def update_weights_from_tensor(
-        self, serialized_named_tensors: bytes | list[bytes], weight_version: str | None = None, abort_running: bool = False
+        self, serialized_named_tensors: SharedPayload | bytes | list[SharedPayload | bytes], load_format: str | None = None,
+        weight_version: str | None = None, abort_running: bool = False,
     ) -> int | None:
-        """`update_weights` from safetensors payloads (never pickle: the bytes cannot run code), one or
-        several; together they name any of the weights, each once."""
-        payloads = [serialized_named_tensors] if isinstance(serialized_named_tensors, bytes) else serialized_named_tensors
+        """`update_weights` from safetensors payloads, one or several (moeshard.engine.payloads: never
+        pickle, so the bytes cannot run code; read in place, nothing is copied on the way); with
+        `load_format="flattened_bucket"`, each holds flattened buckets. Together they name any of
+        the weights, each once."""
+        if load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format must be {FLATTENED!r} or absent, got {load_format!r}.")
+        payloads = serialized_named_tensors if isinstance(serialized_named_tensors, list) else [serialized_named_tensors]
         named = []
         for i, payload in enumerate(payloads):
             try:
-                named += safetensors.torch.load(payload).items()
-            except Exception as exc:  # safetensors says what is wrong with the bytes
-                raise ValueError(f"payload {i} is not a safetensors file ({exc}); nothing was written.") from None
+                named += read_payload(payload, load_format)
+            except ValueError as exc:
+                raise ValueError(f"payload {i}: {exc}; nothing was written.") from None
         return self.update_weights(named, weight_version, abort_running, complete=False)
 
     @property

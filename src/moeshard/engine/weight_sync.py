@@ -5,10 +5,15 @@ The trainer and every engine rank join a second process group, set up the way SG
 unchanged: a TCP store at `master_address:master_port` (hosted by the trainer, rank 0), the group
 name as the store's prefix, engine rank r at `rank_offset + r`, `world_size` = 1 + the engine's
 ranks; gloo on CPU, NCCL on CUDA. The trainer announces the tensors (names, dtypes, shapes) and
-broadcasts each one; every rank receives all of them and keeps only the blocks it holds
-(`ShardBuffer`). Nothing is written until every tensor has arrived on every rank and the whole
-update is known good, so a refused or broken update changes nothing. A refused update is still
-received (and dropped), so the trainer's broadcasts finish and the group stays usable.
+broadcasts each one (or, with SGLang's `load_format="flattened_bucket"`, all of them as one flat
+buffer: torch.cat of the tensors in the announced order, one broadcast); every rank receives all
+of them and keeps only the blocks it holds (`ShardBuffer`). Nothing is written until every tensor
+has arrived on every rank and the whole update is known good, so a refused or broken update
+changes nothing. A refused update is still received (and dropped), so the trainer's broadcasts
+finish and the group stays usable. A tensor (a flat buffer) that has not arrived `timeout_s` after
+the engine began to wait for it breaks the update off: a trainer that goes quiet holds the engine
+(paused for the update) that long, not longer. A broken-off update closes the group; destroying
+it afterwards succeeds, as a framework's teardown expects.
 
     # the trainer, while the engine's /init_weights_update_group call runs:
     group = WeightsGroup.join(GroupSpec("127.0.0.1", port, 0, 1 + engine_ranks), rank=0)
@@ -20,18 +25,20 @@ received (and dropped), so the trainer's broadcasts finish and the group stays u
 from __future__ import annotations
 
 import datetime
+import itertools
 from dataclasses import dataclass
 
 import torch
-from torch.distributed import PrefixStore, rendezvous
+from torch.distributed import BroadcastOptions, PrefixStore, rendezvous
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from moeshard.engine.lifecycle import UPDATE_IN_FLIGHT
+from moeshard.engine.payloads import FLATTENED, TensorMeta, flat_dtype, unflatten
 from moeshard.models.checkpoint import TensorSource
 from moeshard.models.loader import load_weights
 
 BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # backend → the device its tensors live on
-DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+TENSOR_TIMEOUT_S = 60.0  # the engine's wait for each broadcast tensor (or flat buffer), by default
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class GroupSpec:
     world_size: int  # 1 (the trainer) + the engine's ranks
     group_name: str = "weight_update_group"
     backend: str = "gloo"
-    timeout_s: float = 600.0  # a rendezvous or a broadcast that waits longer fails (and changes nothing)
+    timeout_s: float = 600.0  # a rendezvous that waits longer fails; so does a trainer's broadcast
 
     def check(self, engine_ranks: int, device: torch.device) -> None:
         """Refuse a group the engine cannot join, before any rank tries to."""
@@ -59,25 +66,6 @@ class GroupSpec:
             raise ValueError(f"master_port must be in 1…65535, got {self.master_port}.")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}.")
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @classmethod
-    def parse(cls, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list["TensorMeta"]:
-        """The announced tensors, or a ValueError: three lists of one length, known dtypes."""
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError(f"names, dtypes and shapes must have one length, got {len(names)}, {len(dtypes)} and {len(shapes)}.")
-        unknown = [d for d in dtypes if d.removeprefix("torch.") not in DTYPES]
-        if unknown:
-            raise ValueError(f"dtype {unknown[0]!r} is not one of {', '.join(DTYPES)}.")
-        if any(any(n < 0 for n in s) for s in shapes):
-            raise ValueError("shapes must not have negative sizes.")
-        return [cls(n, DTYPES[d.removeprefix("torch.")], tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
 
 
 class WeightsGroup:
@@ -104,13 +92,17 @@ class WeightsGroup:
         options._timeout = timeout
         return cls(ProcessGroupNCCL(store, rank, spec.world_size, options), torch.device("cuda", torch.cuda.current_device()))
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0 sends `tensor`; the others receive into theirs (same shape and dtype)."""
-        self.group.broadcast(tensor, 0).wait()
+    def broadcast(self, tensor: torch.Tensor, timeout_s: float | None = None) -> torch.Tensor:
+        """Rank 0 sends `tensor`; the others receive into theirs (same shape and dtype). It fails
+        after `timeout_s` (default: the group's timeout)."""
+        options = BroadcastOptions()
+        if timeout_s is not None:
+            options.timeout = datetime.timedelta(seconds=timeout_s)
+        self.group.broadcast([tensor], options).wait()
         return tensor
 
-    def receive(self, meta: TensorMeta) -> torch.Tensor:
-        return self.broadcast(torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
+    def receive(self, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float) -> torch.Tensor:
+        return self.broadcast(torch.empty(shape, dtype=dtype, device=self.device), timeout_s)
 
 
 class ShardBuffer(TensorSource):
@@ -154,12 +146,14 @@ class EngineWeightSync:
 
     def init_weight_sync(self) -> None:
         self.weight_groups: set[str] = set()
+        self.broken_groups: set[str] = set()  # closed by a broadcast that broke off, not yet destroyed
 
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = 600.0,
     ) -> None:
-        """Join the trainer's group (every rank; returns once the trainer has joined too)."""
+        """Join the trainer's group (every rank; returns once the trainer has joined too, or after
+        `timeout_s`)."""
         spec = GroupSpec(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s)
         spec.check(self.ranks.world_size, self.device)
         if group_name in self.weight_groups:
@@ -170,8 +164,15 @@ class EngineWeightSync:
             self.ranks.call("leave_weights_group", group_name)
             raise RuntimeError(f"joining weights group {group_name!r} at {master_address}:{master_port} failed: {exc}") from None
         self.weight_groups.add(group_name)
+        self.broken_groups.discard(group_name)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the group. One a broken-off broadcast closed is already gone: that succeeds too (a
+        framework's teardown calls this after a failed update); a group never joined is refused, as
+        SGLang refuses it."""
+        if group_name in self.broken_groups:
+            self.broken_groups.discard(group_name)
+            return
         self.check_group(group_name)
         self.ranks.call("leave_weights_group", group_name)
         self.weight_groups.discard(group_name)
@@ -182,13 +183,21 @@ class EngineWeightSync:
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = "weight_update_group",
-        weight_version: str | None = None, abort_running: bool = False,
+        load_format: str | None = None, timeout_s: float = TENSOR_TIMEOUT_S, weight_version: str | None = None,
+        abort_running: bool = False,
     ) -> int | None:
-        """Receive the tensors the trainer broadcasts on `group_name`, in the announced order, and
-        write them (any of the weights; the others keep their values). Every tensor is received
-        before anything is written; a refused update is received too and dropped, so the trainer's
-        broadcasts finish either way. A broadcast that breaks off closes the group."""
+        """Receive the tensors the trainer broadcasts on `group_name`, in the announced order (with
+        `load_format="flattened_bucket"`, as one flat buffer), and write them (any of the weights;
+        the others keep their values). Every tensor is received before anything is written; a
+        refused update is received too and dropped, so the trainer's broadcasts finish either way.
+        A broadcast that breaks off, or a tensor that has not arrived after `timeout_s`, closes the group."""
         metas = TensorMeta.parse(names, dtypes, shapes)
+        if load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format must be {FLATTENED!r} or absent, got {load_format!r}.")
+        if load_format == FLATTENED and not metas:
+            raise ValueError("a flattened bucket must announce at least one tensor.")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
         self.check_group(group_name)
         refusal: Exception | None = None
         try:
@@ -198,11 +207,12 @@ class EngineWeightSync:
         except (ValueError, RuntimeError) as exc:
             refusal = exc
         try:
-            self.ranks.call("receive_weights", group_name, metas, refusal is None)
+            self.ranks.call("receive_weights", group_name, metas, refusal is None, load_format == FLATTENED, timeout_s)
         except RuntimeError as exc:
             self.ranks.call("drop_received")
             self.ranks.call("leave_weights_group", group_name)
             self.weight_groups.discard(group_name)
+            self.broken_groups.add(group_name)
             raise RuntimeError(
                 f"the weights broadcast on {group_name!r} broke off ({exc}); nothing was written, and the group is "
                 "closed: init it again."
@@ -228,13 +238,19 @@ class RankWeightSync:
     def leave_weights_group(self, group_name: str) -> None:
         self.weight_groups.pop(group_name, None)
 
-    def receive_weights(self, group_name: str, metas: list[TensorMeta], keep: bool) -> None:
-        group, model = self.weight_groups[group_name], self.runner.model
-        buffer = ShardBuffer(model) if keep else None
-        for meta in metas:
-            tensor = group.receive(meta)
+    def receive_weights(self, group_name: str, metas: list[TensorMeta], keep: bool, flattened: bool,
+                        timeout_s: float) -> None:
+        group = self.weight_groups[group_name]
+        buffer = ShardBuffer(self.runner.model) if keep else None
+        if flattened:  # one flat buffer; the tensors are views of it
+            starts = [0, *itertools.accumulate(m.numel for m in metas)][:-1]
+            flat = group.receive((sum(m.numel for m in metas),), flat_dtype(metas), timeout_s)
+            received = unflatten(flat, metas, starts)
+        else:
+            received = ((m.name, group.receive(m.shape, m.dtype, timeout_s)) for m in metas)
+        for name, tensor in received:
             if buffer is not None:
-                buffer.keep(meta.name, tensor)
+                buffer.keep(name, tensor)
         self.received = buffer
 
     def write_received(self) -> None:
