@@ -21,7 +21,9 @@ from safetensors.torch import load_file, save, save_file
 
 from moeshard.serve.launcher import free_port
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
-from moeshard.models.model import part_of
+from moeshard.demos.remote import EngineRefused, RemoteEngine
+from moeshard.engine.payloads import flattened_bucket
+from moeshard.serve.app import default_max_weight_update_bytes
 from processes import stop_tree
 from test_serve import ENV, Served
 
@@ -123,25 +125,56 @@ def test_refused_updates_change_nothing(servers, perturbed):
     assert model_info(served)["weight_version"] == version
     with http(served) as c:
         assert c.get("/health").json() == {"status": "ok"}
+        assert c.post("/destroy_weights_update_group").json() == {"success": True}  # the framework's teardown
+
+    # A trainer that announces a tensor and goes quiet: the engine gives up after the tensor's
+    # timeout_s, and serving goes on at once.
+    trainer = RemoteEngine(served.url)
+    trainer.join_weights_group(free_port())
+    norm = {"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[128]], "timeout_s": 1}
+    start = time.monotonic()
+    with pytest.raises(EngineRefused, match="broke off.*nothing was written"):
+        trainer.call("/update_weights_from_distributed", norm)
+    assert time.monotonic() - start < 1 + 15
+    assert answers(served, prompts(8), cache_salt="after-quiet") == before
+    trainer.leave_weights_group()  # destroy after the failure: 200
+    trainer.close()
 
 
-def test_update_from_tensor_in_parts_equals_a_fresh_server(servers, perturbed):
+def test_whole_model_in_one_body_then_flattened_equals_a_fresh_server(servers, perturbed):
+    """Every weight of the bundled model in one body (over --max-request-bytes, within the weight
+    routes' default limit), then SGLang's flattened bucket of the bundled weights."""
     served, fresh = servers
-    weights = load_file(perturbed / "model.safetensors")
-    parts: dict = {}
-    for name, tensor in weights.items():
-        parts.setdefault(part_of(name), {})[name] = tensor
     with http(served) as c:
-        for i, part in enumerate(parts.values()):  # each under the body limit; the last names the version
-            version = "tensor-1" if i == len(parts) - 1 else None
-            body = {"serialized_named_tensors": [base64.b64encode(save(part)).decode()], "weight_version": version}
-            c.post("/update_weights_from_tensor", json=body).raise_for_status()
-        bad = {"serialized_named_tensors": [base64.b64encode(b"not safetensors").decode()]}
+        c.post("/reload_weights").raise_for_status()  # the bundled weights
+    bundled = answers(served, prompts(12), cache_salt="bundled")
+    whole = {"serialized_named_tensors": [b64(save(load_file(perturbed / "model.safetensors")))], "weight_version": "tensor-1"}
+    flat = {"serialized_named_tensors": [b64(flattened_bucket(load_file(MODEL_DIR / "model.safetensors").items()))],
+            "load_format": "flattened_bucket", "weight_version": "flat-1"}
+    limit = default_max_weight_update_bytes(MODEL_DIR)
+    with http(served) as c:
+        assert 1 << 20 < len(json.dumps(whole)) < limit
+        c.post("/update_weights_from_tensor", json=whole).raise_for_status()
+        got, want = answers(served, prompts(12)), answers(fresh, prompts(12))
+        assert [(t, lp) for t, lp, _ in got] == [(t, lp) for t, lp, _ in want]
+        assert {version for *_, version in got} == {"tensor-1"}
+
+        c.post("/update_weights_from_tensor", json=flat).raise_for_status()
+        got = answers(served, prompts(12), cache_salt="flat")
+        assert [(t, lp, v) for t, lp, v in got] == [(t, lp, "flat-1") for t, lp, _ in bundled]
+
+        bad = {"serialized_named_tensors": [b64(b"not safetensors")]}
         refused = c.post("/update_weights_from_tensor", json=bad)
         assert refused.status_code == 400 and "not a safetensors file" in refused.json()["error"]["message"]
-    got, want = answers(served, prompts(12)), answers(fresh, prompts(12))
-    assert [(t, lp) for t, lp, _ in got] == [(t, lp) for t, lp, _ in want]
-    assert {version for *_, version in got} == {"tensor-1"}
+        for body in (b"x" * (limit + 1), iter([b"x" * (1 << 20)] * (limit >> 20) + [b"x" * (1 << 20)])):  # sized, chunked
+            refused = c.post("/update_weights_from_tensor", content=body, headers={"content-type": "application/json"})
+            assert refused.status_code == 413 and "(--max-weight-update-bytes)" in refused.json()["error"]["message"]
+        refused = c.post("/v1/completions", json={"prompt": "1" * (1 << 20)})  # the other routes keep theirs
+        assert refused.status_code == 413 and "(--max-request-bytes)" in refused.json()["error"]["message"]
+
+
+def b64(payload: bytes) -> str:
+    return base64.b64encode(payload).decode()
 
 
 def stream(server, prompt: str, out: list, started: threading.Event, **options) -> None:
@@ -228,7 +261,7 @@ def test_an_update_never_mixes_weights_into_a_request(servers, perturbed):
     served, _ = servers
     weights = load_file(perturbed / "model.safetensors")
     norm = {n: t for n, t in weights.items() if n == "model.norm.weight"}
-    payload = [base64.b64encode(save(norm)).decode()]
+    payload = [b64(save(norm))]
     prompt = prompts(17, 1)[0]
     with http(served) as c:
         version = c.get("/get_model_info").json()["weight_version"]

@@ -12,7 +12,6 @@ the engine, so a bad request never touches the others.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import json
 import secrets
@@ -24,11 +23,11 @@ from pathlib import Path
 import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
+from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
-from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from transformers.utils.chat_template_utils import render_jinja_template
 
 import moeshard
@@ -36,6 +35,8 @@ from moeshard.engine import SamplingParams
 from moeshard.engine.async_llm import AsyncLLM, EngineAsleepError, EngineDeadError
 from moeshard.engine.core import RequestDelta
 from moeshard.engine.inputs import RequestError
+from moeshard.engine.payloads import SharedPayload
+from moeshard.models.checkpoint import safetensors_files
 from moeshard.serve.metrics import ServerMetrics
 from moeshard.serve.protocol import (
     ChatRequest,
@@ -58,6 +59,11 @@ from moeshard.serve.protocol import (
 )
 
 
+# Routes whose bodies carry weights or announce them (vLLM's /update_weights): --max-weight-update-bytes.
+WEIGHT_ROUTES = ("/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weights")
+BASE64_STEP = 4 << 20  # base64 characters decoded at a time (a multiple of 4)
+
+
 @dataclass(frozen=True)
 class ServeSettings:
     model_name: str
@@ -65,6 +71,13 @@ class ServeSettings:
     enable_sleep_mode: bool = False
     sleep_wait_s: float = 300.0  # sleep(mode=wait): longest wait for in-flight requests
     max_request_bytes: int = 1 << 20
+    max_weight_update_bytes: int = 1 << 20
+
+    def body_limit(self, path: str) -> tuple[int, str]:
+        """The most bytes a body sent to `path` may have, and the flag that sets it."""
+        if path in WEIGHT_ROUTES:
+            return self.max_weight_update_bytes, "--max-weight-update-bytes"
+        return self.max_request_bytes, "--max-request-bytes"
 
 
 SGLANG_PAUSE_MODES = {"in_place": "keep", "retract": "keep"}  # SGLang's pause modes → the engine's
@@ -76,22 +89,44 @@ def default_max_request_bytes(max_model_len: int) -> int:
     return max(1 << 20, 64 * max_model_len)
 
 
-def too_large(max_bytes: int) -> str:
-    return f"the request body is over {max_bytes} bytes (--max-request-bytes)."
+def default_max_weight_update_bytes(directory: Path) -> int:
+    """Room for every weight in one body, flattened or not: base64 of the checkpoint's safetensors
+    files (4 characters for every 3 bytes), plus 1/16 of that and 1 MiB for the JSON around it and
+    a flattened bucket's listings."""
+    encoded = 4 * -(-sum(f.stat().st_size for f in safetensors_files(directory)) // 3)
+    return encoded + encoded // 16 + (1 << 20)
 
 
-class LargeBodyRefusal:
-    """ASGI middleware: a Content-Length over the limit is answered 413, as an error object, before a
-    byte of the body is read (Starlette's RequestBodyLimitMiddleware, inside, counts a chunked body)."""
+def too_large(limit: tuple[int, str]) -> str:
+    return f"the request body is over {limit[0]} bytes ({limit[1]})."
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyLimits:
+    """ASGI middleware: a body over its route's limit (`ServeSettings.body_limit`) is answered 413, as
+    an error object, by its Content-Length before a byte of it is read; a chunked body as soon as
+    its bytes pass the limit (the route's read of it fails)."""
+
+    def __init__(self, app, settings: ServeSettings):
+        self.app, self.settings = app, settings
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.settings.body_limit(scope["path"])
         length = dict(scope.get("headers", ())).get(b"content-length", b"0")
-        if scope["type"] == "http" and int(length) > self.max_bytes:  # h11 refuses a length that is no number
-            return await error_response(413, too_large(self.max_bytes))(scope, receive, send)
-        await self.app(scope, receive, send)
+        if int(length) > limit[0]:  # h11 refuses a length that is no number
+            return await error_response(413, too_large(limit))(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit[0]:
+                raise HTTPException(413)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class Refused(Exception):
@@ -504,6 +539,55 @@ def read_chat_template(directory: Path) -> str | None:
     return template
 
 
+async def read_body(request: Request) -> bytearray:
+    """The body, in one buffer that grows in place (Starlette's `body()` holds its chunks and their join)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+    return body
+
+
+def decode_weight_update(body: bytearray) -> tuple[UpdateFromTensorRequest, list[SharedPayload]]:
+    """The checked request and its payloads decoded into shared memory. The body is cleared once
+    parsed, and each payload's text once decoded, so at most the JSON text and its strings, then the
+    strings and the decoded bytes, are held at once."""
+    try:
+        text = body.decode()
+        body.clear()
+        request = UpdateFromTensorRequest.model_validate(json.loads(text))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "invalid JSON"}]) from None
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    del text
+    texts, payloads = request.serialized_named_tensors, []
+    try:
+        while texts:
+            payloads.append(decode_base64(texts.pop(0)))
+    except (binascii.Error, ValueError):
+        for payload in payloads:
+            payload.close()
+        raise Refused(400, "serialized_named_tensors must be base64 strings of safetensors files.",
+                      "serialized_named_tensors") from None
+    return request, payloads
+
+
+def decode_base64(text: str) -> SharedPayload:
+    """`text` (base64, padded) decoded into shared memory, a slice at a time."""
+    if not text or len(text) % 4:
+        raise ValueError("not whole base64 quads")
+    out = SharedPayload(len(text) // 4 * 3 - text.endswith("=") - text.endswith("=="))  # less the padding
+    try:
+        with memoryview(out.memory) as view:
+            for start in range(0, len(text), BASE64_STEP):
+                decoded = binascii.a2b_base64(text[start:start + BASE64_STEP], strict_mode=True)
+                view[start // 4 * 3:start // 4 * 3 + len(decoded)] = decoded
+    except Exception:
+        out.close()
+        raise
+    return out
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable) -> None:
     """Run `work`, cancelling it if the client goes away first (its engine requests are aborted)."""
 
@@ -523,7 +607,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable) -> None:
     task.result()
 
 
-def add_error_handlers(app: FastAPI, key: str | None, max_request_bytes: int) -> None:
+def add_error_handlers(app: FastAPI, settings: ServeSettings) -> None:
     """Every failure answers an OpenAI error object; a set API key guards every route but /health."""
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused):
@@ -543,7 +627,7 @@ def add_error_handlers(app: FastAPI, key: str | None, max_request_bytes: int) ->
         messages = {
             404: f"no route {request.method} {request.url.path}.",
             405: f"no route {request.method} {request.url.path}.",
-            413: too_large(max_request_bytes),
+            413: too_large(settings.body_limit(request.url.path)),
         }
         return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)))
 
@@ -558,9 +642,9 @@ def add_error_handlers(app: FastAPI, key: str | None, max_request_bytes: int) ->
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if key is not None and request.url.path != "/health":
+        if settings.api_key is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 return error_response(401, "a valid API key is required (Authorization: Bearer KEY).")
         return await call_next(request)
 
@@ -570,11 +654,11 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="moeshard", version=moeshard.__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
-    add_error_handlers(app, settings.api_key, settings.max_request_bytes)
-    # A body over the limit gets 413 before anything parses it: by its Content-Length before a byte
-    # is read; a chunked one as soon as its bytes pass the limit.
-    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=settings.max_request_bytes)
-    app.add_middleware(LargeBodyRefusal, max_bytes=settings.max_request_bytes)
+    # A body over its limit gets 413 before anything parses it. Added first, so it runs inside the
+    # API-key check (a BaseHTTPMiddleware, whose receive runs in a task group: the 413 a chunked
+    # body raises mid-read would reach the handlers wrapped in an ExceptionGroup, as a 500).
+    app.add_middleware(BodyLimits, settings=settings)
+    add_error_handlers(app, settings)
 
     @app.get("/health")
     async def health():
@@ -671,12 +755,20 @@ def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
         return await server.update_weights("reload_weights", body or WeightUpdate())
 
     @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(body: UpdateFromTensorRequest):
+    async def update_weights_from_tensor(request: Request):
+        """SGLang's route: `serialized_named_tensors`, a list of base64 safetensors files (never
+        pickle) that together name any of the weights; with `load_format: "flattened_bucket"`, each
+        holds SGLang's flattened buckets in their safetensors form (moeshard.engine.payloads:
+        flat buffers, one per dtype say, each listed in the header's metadata as SGLang's
+        FlattenedTensorMetadata list). Up to --max-weight-update-bytes. The body is read as one
+        buffer, parsed, and dropped; each payload is decoded into shared memory (its text dropped
+        as it is), and the engine reads its tensors in place: one decoded copy of the bucket."""
+        body, payloads = await asyncio.to_thread(decode_weight_update, await read_body(request))
         try:
-            payloads = [base64.b64decode(p, validate=True) for p in body.serialized_named_tensors]
-        except binascii.Error:
-            raise Refused(400, "serialized_named_tensors must be base64 strings.", "serialized_named_tensors") from None
-        return await server.update_weights("update_weights_from_tensor", body, payloads)
+            return await server.update_weights("update_weights_from_tensor", body, payloads, body.load_format)
+        finally:
+            for payload in payloads:
+                payload.close()
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitWeightsGroupRequest):
@@ -685,7 +777,8 @@ def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: UpdateFromDistributedRequest):
         return await server.update_weights(
-            "update_weights_from_distributed", body, body.names, body.dtypes, body.shapes, body.group_name
+            "update_weights_from_distributed", body, body.names, body.dtypes, body.shapes, body.group_name,
+            body.load_format, body.timeout_s,
         )
 
     @app.post("/destroy_weights_update_group")

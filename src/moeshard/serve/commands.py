@@ -41,7 +41,14 @@ def add_commands(registry: Registry) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument(
         "--max-request-bytes", type=int, default=None,
-        help="bodies over this get 413 before parsing (default: 64 bytes per token of the context, at least 1 MiB)",
+        help="bodies over this get 413 before parsing (default: 64 bytes per token of the context, at least 1 MiB); "
+             "the weight routes have their own limit",
+    )
+    srv.add_argument(
+        "--max-weight-update-bytes", type=int, default=None,
+        help="the same for the weight routes' bodies (/update_weights_from_tensor, /update_weights_from_distributed, "
+             "/update_weights) (default: every weight in one body: base64 of the model's safetensors files, plus 1/16 "
+             "and 1 MiB)",
     )
     srv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_dtype(srv)

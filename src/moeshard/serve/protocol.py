@@ -12,6 +12,8 @@ from typing import ClassVar, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from moeshard.engine.weight_sync import TENSOR_TIMEOUT_S
+
 TokenIds = list[int]
 
 
@@ -146,7 +148,7 @@ class InitWeightsGroupRequest(BaseModel):
     world_size: int = Field(ge=2)
     group_name: str = "weight_update_group"
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(600.0, gt=0)  # moeshard's: how long the rendezvous and each broadcast may wait
+    timeout_s: float = Field(600.0, gt=0)  # moeshard's: how long the rendezvous may wait
 
 
 class DestroyWeightsGroupRequest(BaseModel):
@@ -159,12 +161,13 @@ class UpdateFromDistributedRequest(WeightUpdate):
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
-    load_format: None = None  # one broadcast per tensor; SGLang's flattened buckets are not taken
+    load_format: Literal["flattened_bucket"] | None = None  # SGLang's: every tensor in one flat broadcast
+    timeout_s: float = Field(TENSOR_TIMEOUT_S, gt=0)  # moeshard's: the wait for each tensor (flat buffer)
 
 
 class UpdateFromTensorRequest(WeightUpdate):
     serialized_named_tensors: list[str] = Field(min_length=1)  # base64 of safetensors files (never pickle)
-    load_format: None = None
+    load_format: Literal["flattened_bucket"] | None = None  # see moeshard.engine.payloads
 
 
 class PauseRequest(BaseModel):

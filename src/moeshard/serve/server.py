@@ -24,7 +24,7 @@ from moeshard.engine.async_llm import AsyncLLM
 from moeshard.engine.engine_process import in_engine_process
 from moeshard.parallel import Layout
 from moeshard.parallel.launch import under_torchrun
-from moeshard.serve.app import ServeSettings, build_app, default_max_request_bytes
+from moeshard.serve.app import ServeSettings, build_app, default_max_request_bytes, default_max_weight_update_bytes
 from moeshard.serve.sglang import add_sglang_routes
 from moeshard.serve.vllm import add_vllm_routes
 
@@ -50,8 +50,11 @@ def serve_command(args: argparse.Namespace) -> int:
     engine = in_engine_process(**options) if own_process else AsyncLLM.in_process(LLM(**options))
     try:
         name = args.served_model_name or args.model or BUNDLED_NAME
-        max_bytes = args.max_request_bytes or default_max_request_bytes(engine.inputs.max_model_len)
-        settings = ServeSettings(name, args.api_key, args.enable_sleep_mode, max_request_bytes=max_bytes)
+        settings = ServeSettings(
+            name, args.api_key, args.enable_sleep_mode,
+            max_request_bytes=args.max_request_bytes or default_max_request_bytes(engine.inputs.max_model_len),
+            max_weight_update_bytes=args.max_weight_update_bytes or default_max_weight_update_bytes(engine.inputs.directory),
+        )
         app = build_app(engine, settings)
         for add_profile in (add_sglang_routes, add_vllm_routes):  # the drop-in profiles (docs/serving.md)
             add_profile(app, app.state.server)

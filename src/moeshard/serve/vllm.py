@@ -32,7 +32,7 @@ import torch
 from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from moeshard.engine.weight_sync import BACKENDS
+from moeshard.engine.weight_sync import BACKENDS, TENSOR_TIMEOUT_S
 from moeshard.parallel import Layout
 from moeshard.serve.app import Choice, Refused, Rollout, Server, cancel_on_disconnect
 from moeshard.serve.protocol import (
@@ -295,7 +295,8 @@ def add_vllm_routes(app: FastAPI, server: Server) -> None:
             raise Refused(400, "packed broadcasts (vLLM's packed_broadcast_producer) are not taken yet; send "
                                "packed=false, one broadcast per tensor.", "update_info.packed")
         group = InitWeightsGroupRequest.model_fields["group_name"].default
-        answer = await server.update_weights(
-            "update_weights_from_distributed", WeightUpdate(), info.names, info.dtype_names, info.shapes, group
+        answer = await server.update_weights(  # one broadcast per tensor (load_format None), the default wait for each
+            "update_weights_from_distributed", WeightUpdate(), info.names, info.dtype_names, info.shapes, group, None,
+            TENSOR_TIMEOUT_S,
         )
         return {"message": "Weights updated"} | answer
