@@ -1,6 +1,7 @@
 """The routes RL frameworks drive (issue 31), on a real `moeshard serve --dp 2 --ep --enable-sleep-mode`
 with a separate trainer process (tests/weights_trainer.py): weights over a process group of their
-own and in the request body, refused updates that change nothing, weight versions, pause/continue.
+own and in the request body (the whole model in one body, plain and flattened; body limits), refused
+updates that change nothing, a trainer that goes quiet, weight versions, pause/continue.
 
 Outputs are compared request by request, each prompt sent once and alone, so two servers with the
 same weights run the same batches and answer bit for bit alike (logprobs included).
