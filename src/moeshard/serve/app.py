@@ -12,6 +12,7 @@ the engine, so a bad request never touches the others.
 from __future__ import annotations
 
 import asyncio
+import base64
 import binascii
 import json
 import secrets
@@ -574,13 +575,13 @@ def decode_weight_update(body: bytearray) -> tuple[UpdateFromTensorRequest, list
 
 def decode_base64(text: str) -> SharedPayload:
     """`text` (base64, padded) decoded into shared memory, a slice at a time."""
-    if not text or len(text) % 4:
-        raise ValueError("not whole base64 quads")
+    if not text or len(text) % 4 or text.find("=", 0, len(text) - 2) >= 0:  # padding only at the end
+        raise ValueError("not base64")
     out = SharedPayload(len(text) // 4 * 3 - text.endswith("=") - text.endswith("=="))  # less the padding
     try:
         with memoryview(out.memory) as view:
             for start in range(0, len(text), BASE64_STEP):
-                decoded = binascii.a2b_base64(text[start:start + BASE64_STEP], strict_mode=True)
+                decoded = base64.b64decode(text[start:start + BASE64_STEP], validate=True)
                 view[start // 4 * 3:start // 4 * 3 + len(decoded)] = decoded
     except Exception:
         out.close()
