@@ -18,7 +18,7 @@ from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 from moeshard import LLM, SamplingParams
 from moeshard.serve.launcher import free_port
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
-from moeshard.engine.payloads import flattened_bucket, read_payload
+from moeshard.engine.payloads import flattened_bucket, packed_buffers, read_payload, unpack
 from moeshard.engine.weight_sync import ShardBuffer, TensorMeta
 from moeshard.parallel import Layout
 
@@ -91,6 +91,16 @@ def test_an_sglang_trainer_updates_the_engine_as_update_weights_does(label):
         thread.join()
         partial = answers(llm)
         assert llm.get_model_info()["weight_version"] == "v1"  # no version given: unchanged
+
+        # vLLM's packed broadcast (SkyRL sends packed=True): the tensors' bytes in one uint8 buffer
+        # (under vLLM's 1 GiB), the moved weights back
+        thread = sending(group, [torch.cat([weights[n].contiguous().view(torch.uint8).view(-1) for n in names])])
+        llm.update_weights_from_distributed(names, dtypes, shapes, name, "packed", weight_version="v2")
+        thread.join()
+        assert answers(llm) == got
+        thread = sending(group, list(norm.values()))
+        llm.update_weights_from_distributed(*meta(norm), name)
+        thread.join()
         llm.destroy_weights_update_group(name)
         with pytest.raises(ValueError, match="no weights group"):
             llm.update_weights_from_distributed(*meta(norm), name)
@@ -99,6 +109,16 @@ def test_an_sglang_trainer_updates_the_engine_as_update_weights_does(label):
         assert answers(llm) == got
         llm.update_weights_from_tensor(flattened_bucket(norm.items()), "flattened_bucket")
         assert answers(llm) == partial
+
+
+def test_packed_buffers_close_past_the_limit_as_vllms_do():
+    """vLLM's pack_tensors: a buffer takes tensors until it holds more than the limit; the tensor
+    that crosses it stays in it."""
+    metas = TensorMeta.parse(["a", "b", "c", "d"], ["float32", "bfloat16", "float32", "float32"], [[3], [4], [1], [2]])
+    assert [[m.name for m in part] for part in packed_buffers(metas, limit=15)] == [["a", "b"], ["c", "d"]]
+    tensors = [torch.arange(m.numel).to(m.dtype) for m in metas[:2]]
+    buffer = torch.cat([t.view(torch.uint8) for t in tensors])
+    assert all(torch.equal(got, want) for (_, got), want in zip(unpack(buffer, metas[:2]), tensors))
 
 
 def test_a_broadcast_that_breaks_off_changes_nothing_and_closes_the_group():

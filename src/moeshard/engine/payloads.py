@@ -34,6 +34,11 @@ from safetensors.torch import save
 
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 FLATTENED = "flattened_bucket"
+# vLLM's packed broadcast (vllm/distributed/weight_transfer/packed_tensor.py): each tensor's bytes, in
+# the announced order, appended to a uint8 buffer until it holds more than the buffer size (1 GiB by
+# default; the tensor that crosses the limit stays in it), one broadcast per buffer.
+PACKED = "packed"
+PACKED_BUFFER_BYTES = 1 << 30
 
 
 def dtype_named(name: str) -> torch.dtype:
@@ -63,6 +68,28 @@ class TensorMeta:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def packed_buffers(metas: list[TensorMeta], limit: int = PACKED_BUFFER_BYTES) -> list[list[TensorMeta]]:
+    """The tensors of each of vLLM's packed buffers, in broadcast order (see PACKED)."""
+    buffers, pending, size = [], [], 0
+    for meta in metas:
+        pending.append(meta)
+        size += meta.nbytes
+        if size > limit:
+            buffers.append(pending)
+            pending, size = [], 0
+    return buffers + ([pending] if pending else [])
+
+
+def unpack(buffer_B: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of one packed uint8 buffer, as views of it."""
+    parts = buffer_B.split([m.nbytes for m in metas])
+    return [(m.name, part.view(m.dtype).view(m.shape)) for m, part in zip(metas, parts)]
 
 
 def flat_dtype(metas: list[TensorMeta]) -> torch.dtype:

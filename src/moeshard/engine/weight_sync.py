@@ -33,7 +33,7 @@ from torch.distributed import BroadcastOptions, PrefixStore, rendezvous
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from moeshard.engine.lifecycle import UPDATE_IN_FLIGHT
-from moeshard.engine.payloads import FLATTENED, TensorMeta, flat_dtype, unflatten
+from moeshard.engine.payloads import FLATTENED, PACKED, TensorMeta, flat_dtype, packed_buffers, unflatten, unpack
 from moeshard.models.checkpoint import TensorSource
 from moeshard.models.loader import load_weights
 
@@ -187,13 +187,14 @@ class EngineWeightSync:
         abort_running: bool = False,
     ) -> int | None:
         """Receive the tensors the trainer broadcasts on `group_name`, in the announced order (with
-        `load_format="flattened_bucket"`, as one flat buffer), and write them (any of the weights;
+        `load_format="flattened_bucket"`, as one flat buffer; with "packed", as vLLM's packed uint8
+        buffers), and write them (any of the weights;
         the others keep their values). Every tensor is received before anything is written; a
         refused update is received too and dropped, so the trainer's broadcasts finish either way.
         A broadcast that breaks off, or a tensor that has not arrived after `timeout_s`, closes the group."""
         metas = TensorMeta.parse(names, dtypes, shapes)
-        if load_format not in (None, FLATTENED):
-            raise ValueError(f"load_format must be {FLATTENED!r} or absent, got {load_format!r}.")
+        if load_format not in (None, FLATTENED, PACKED):
+            raise ValueError(f"load_format must be {FLATTENED!r}, {PACKED!r} or absent, got {load_format!r}.")
         if load_format == FLATTENED and not metas:
             raise ValueError("a flattened bucket must announce at least one tensor.")
         if timeout_s <= 0:
@@ -207,7 +208,7 @@ class EngineWeightSync:
         except (ValueError, RuntimeError) as exc:
             refusal = exc
         try:
-            self.ranks.call("receive_weights", group_name, metas, refusal is None, load_format == FLATTENED, timeout_s)
+            self.ranks.call("receive_weights", group_name, metas, refusal is None, load_format, timeout_s)
         except RuntimeError as exc:
             self.ranks.call("drop_received")
             self.ranks.call("leave_weights_group", group_name)
@@ -238,14 +239,19 @@ class RankWeightSync:
     def leave_weights_group(self, group_name: str) -> None:
         self.weight_groups.pop(group_name, None)
 
-    def receive_weights(self, group_name: str, metas: list[TensorMeta], keep: bool, flattened: bool,
+    def receive_weights(self, group_name: str, metas: list[TensorMeta], keep: bool, load_format: str | None,
                         timeout_s: float) -> None:
         group = self.weight_groups[group_name]
         buffer = ShardBuffer(self.runner.model) if keep else None
-        if flattened:  # one flat buffer; the tensors are views of it
+        if load_format == FLATTENED:  # one flat buffer; the tensors are views of it
             starts = [0, *itertools.accumulate(m.numel for m in metas)][:-1]
             flat = group.receive((sum(m.numel for m in metas),), flat_dtype(metas), timeout_s)
             received = unflatten(flat, metas, starts)
+        elif load_format == PACKED:  # uint8 buffers in turn, the tensors views of each
+            received = (
+                pair for part in packed_buffers(metas)
+                for pair in unpack(group.receive((sum(m.nbytes for m in part),), torch.uint8, timeout_s), part)
+            )
         else:
             received = ((m.name, group.receive(m.shape, m.dtype, timeout_s)) for m in metas)
         for name, tensor in received:

@@ -145,7 +145,9 @@ class TransferUpdateInfo(BaseModel):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    packed: bool = False
+    packed: bool = False  # vLLM's packed uint8 buffers (moeshard.engine.payloads.PACKED); SkyRL always sends True
+    # vLLM's buffer size; moeshard receives vLLM's default (1 GiB) only, the size both sides must agree on
+    packed_buffer_size_bytes: Literal[1 << 30] = 1 << 30
 
 
 class TransferUpdateRequest(BaseModel):
@@ -291,12 +293,9 @@ def add_vllm_routes(app: FastAPI, server: Server) -> None:
     @app.post("/update_weights")
     async def update_weights(body: TransferUpdateRequest):
         info = parse_fields(TransferUpdateInfo, body.update_info, "update_info")
-        if info.packed:
-            raise Refused(400, "packed broadcasts (vLLM's packed_broadcast_producer) are not taken yet; send "
-                               "packed=false, one broadcast per tensor.", "update_info.packed")
         group = InitWeightsGroupRequest.model_fields["group_name"].default
-        answer = await server.update_weights(  # one broadcast per tensor (load_format None), the default wait for each
-            "update_weights_from_distributed", WeightUpdate(), info.names, info.dtype_names, info.shapes, group, None,
-            TENSOR_TIMEOUT_S,
+        answer = await server.update_weights(  # the default wait for each broadcast
+            "update_weights_from_distributed", WeightUpdate(), info.names, info.dtype_names, info.shapes, group,
+            PACKED if info.packed else None, TENSOR_TIMEOUT_S,
         )
         return {"message": "Weights updated"} | answer
