@@ -261,19 +261,31 @@ def test_versions_memory_and_weight_transfer(server, prompts):
             "message": "Weight transfer initialized"}
         joining.join()
 
-        def send(tensor: torch.Tensor) -> dict:
+        def send(tensor: torch.Tensor, packed: bool = False, path: str = "/update_weights") -> dict:
+            """vLLM's update (packed: the tensor's bytes as uint8, as SkyRL sends it); or SkyRL's
+            own /collective_rpc update_weights_nccl with the same update_info."""
             info = {"names": [name], "dtype_names": [str(tensor.dtype).removeprefix("torch.")],
-                    "shapes": [list(tensor.shape)], "packed": False}
+                    "shapes": [list(tensor.shape)], "packed": packed}
+            request = {"update_info": info} if path == "/update_weights" else {
+                "method": "update_weights_nccl", "kwargs": {"update_info": info}}
             answers: list = []
-            update = threading.Thread(target=lambda: answers.append(c.post("/update_weights", json={"update_info": info})))
+            update = threading.Thread(target=lambda: answers.append(c.post(path, json=request)))
             update.start()
-            groups[0].broadcast(tensor)
+            groups[0].broadcast(tensor.contiguous().view(torch.uint8).view(-1) if packed else tensor)
             update.join()
             return answers[0].json()
 
         assert send(-weights[name])["message"] == "Weights updated"
         moved = c.post("/generate", json=body).json()["meta_info"]["output_token_logprobs"]
         assert moved != before["meta_info"]["output_token_logprobs"]
+        send(weights[name], packed=True)
+        assert c.post("/generate", json=body).json()["meta_info"]["output_token_logprobs"] == \
+            before["meta_info"]["output_token_logprobs"]
+        assert c.post("/collective_rpc", json={"method": "skyrl_start_weight_update"}).json() == {"results": [None]}
+        assert send(-weights[name], packed=True, path="/collective_rpc")["results"][0]["message"] == "Weights updated"
+        assert c.post("/generate", json=body).json()["meta_info"]["output_token_logprobs"] == moved
+        refused = c.post("/collective_rpc", json={"method": "reload_weights"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "method"
         send(weights[name])
         assert c.post("/generate", json=body).json()["meta_info"]["output_token_logprobs"] == \
             before["meta_info"]["output_token_logprobs"]  # the weights are the start-up ones again, bit for bit

@@ -61,7 +61,7 @@ from moeshard.serve.protocol import (
 
 
 # Routes whose bodies carry weights or announce them (vLLM's /update_weights): --max-weight-update-bytes.
-WEIGHT_ROUTES = ("/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weights")
+WEIGHT_ROUTES = ("/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weights", "/collective_rpc")
 BASE64_STEP = 4 << 20  # base64 characters decoded at a time (a multiple of 4)
 
 

@@ -32,6 +32,7 @@ import torch
 from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from moeshard.engine.payloads import PACKED
 from moeshard.engine.weight_sync import BACKENDS, TENSOR_TIMEOUT_S
 from moeshard.parallel import Layout
 from moeshard.serve.app import Choice, Refused, Rollout, Server, cancel_on_disconnect
@@ -148,6 +149,12 @@ class TransferUpdateInfo(BaseModel):
     packed: bool = False  # vLLM's packed uint8 buffers (moeshard.engine.payloads.PACKED); SkyRL always sends True
     # vLLM's buffer size; moeshard receives vLLM's default (1 GiB) only, the size both sides must agree on
     packed_buffer_size_bytes: Literal[1 << 30] = 1 << 30
+
+
+class CollectiveRPCRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    method: str
+    kwargs: dict[str, Any] | None = None
 
 
 class TransferUpdateRequest(BaseModel):
@@ -292,7 +299,23 @@ def add_vllm_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/update_weights")
     async def update_weights(body: TransferUpdateRequest):
-        info = parse_fields(TransferUpdateInfo, body.update_info, "update_info")
+        return await transfer_update(body.update_info)
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(body: CollectiveRPCRequest):
+        """SkyRL's trainer reaches its own vLLM worker extension here (remote_inference_client.py
+        start_weight_update / update_weights_nccl / finish_weight_update, until vLLM's native routes
+        land): the update is /update_weights; its start and finish have nothing to do, since an
+        update is checked whole and written at once. No other method runs here."""
+        if body.method == "update_weights_nccl":
+            return {"results": [await transfer_update((body.kwargs or {}).get("update_info", {}))]}
+        if body.method in ("skyrl_start_weight_update", "skyrl_finish_weight_update"):
+            return {"results": [None]}
+        raise Refused(400, f"collective_rpc runs only SkyRL's weight-update methods (skyrl_start_weight_update, "
+                           f"update_weights_nccl, skyrl_finish_weight_update), not {body.method!r}.", "method")
+
+    async def transfer_update(update_info: dict) -> dict:
+        info = parse_fields(TransferUpdateInfo, update_info, "update_info")
         group = InitWeightsGroupRequest.model_fields["group_name"].default
         answer = await server.update_weights(  # the default wait for each broadcast
             "update_weights_from_distributed", WeightUpdate(), info.names, info.dtype_names, info.shapes, group,
