@@ -6,7 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from moeshard.bench.servers import free_port, kill, process_tree  # noqa: F401 (tests import them from here)
+from moeshard.serve.launcher import free_port, kill, process_tree  # noqa: F401 (tests import them from here)
 
 
 def listening(port: int) -> bool:

@@ -77,7 +77,7 @@ def test_bench_serve_against_vllm_not_installed_fails_before_starting_anything(t
 
 def test_stop_kills_the_server_and_what_it_left_behind():
     """A server whose child outlives it on SIGTERM: stop() still ends both, by PID and process group."""
-    from moeshard.bench.servers import process_tree, stop
+    from moeshard.serve.launcher import process_tree, stop
 
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
                                "subprocess.Popen(['sleep', '60']); time.sleep(60)"], start_new_session=True)

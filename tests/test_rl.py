@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from moeshard.bundled.arithmetic import VOCAB
-from moeshard.demos.grpo import GRPOConfig, Rollout, Trainer, clipped_loss, group_advantages, logprob_gap, sampled_logprobs
+from moeshard.demos.common import WEAK_MODEL_DIR, LogprobGapError, RLOptions
 from moeshard.demos.disaggregated import run_disaggregated
-from moeshard.demos.rl import WEAK_MODEL_DIR, LogprobGapError, RLOptions, run_rl
+from moeshard.demos.grpo import GRPOConfig, Rollout, Trainer, clipped_loss, group_advantages, logprob_gap, sampled_logprobs
+from moeshard.demos.rl import run_rl
 
 FEW = dict(steps=3, problems=4, group=4, eval_every=2, eval_problems=16)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from moeshard.bench.servers import free_port
+from moeshard.serve.launcher import free_port
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
 from moeshard.models.model import part_of
 from processes import stop_tree

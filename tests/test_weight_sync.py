@@ -14,7 +14,7 @@ from torch.distributed import PrefixStore, rendezvous
 from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
 from moeshard import LLM, SamplingParams
-from moeshard.bench.servers import free_port
+from moeshard.serve.launcher import free_port
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
 from moeshard.engine.weight_sync import ShardBuffer, TensorMeta
 from moeshard.parallel import Layout

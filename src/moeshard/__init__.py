@@ -2,7 +2,6 @@
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams"]
-LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"  # the CLI's and the engine process's
 
 
 def __getattr__(name: str):

@@ -8,8 +8,7 @@ import logging
 import sys
 import warnings
 
-import moeshard
-from moeshard.commandline import Registry
+from moeshard.commandline import LOG_FORMAT, Registry
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     # Errors the engine logs (a lost rank) reach stderr at once, with their time.
-    logging.basicConfig(level=logging.WARNING, format=moeshard.LOG_FORMAT)
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     if under_torchrun() and hasattr(args, "layouts_of"):
         exit_without_finalizing(reporting_errors(run_on_torchrun, args))
     return reporting_errors(args.run, args)

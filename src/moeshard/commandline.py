@@ -1,7 +1,8 @@
-"""What every command group shares: its registration (one line of help, grouped; an example) and
-the arguments several groups take. Each group's parser lives next to the code it drives
-(`serve/commands.py`, `demos/commands.py`, `verify/commands.py`, `bench/commands.py`); `cli.py`
-puts them together. Nothing here imports the rest of moeshard, so `moeshard --help` stays fast.
+"""What every command group shares: its registration (one line of help, grouped; an example), the
+arguments several groups take, and the log format (which the engine process keeps too). Each group's
+parser lives next to the code it drives (`serve/commands.py`, `demos/commands.py`,
+`verify/commands.py`, `bench/commands.py`); `cli.py` puts them together. Nothing here imports the
+rest of moeshard, so `moeshard --help` stays fast.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib
 from dataclasses import dataclass, field
 
 GROUPS = ("serve", "run", "prove", "benchmark")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"  # the CLI's and the engine process's
 METHODS = ("auto", "allgather", "alltoall", "mc2", "fused_mc2")
 
 

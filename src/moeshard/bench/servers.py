@@ -1,20 +1,17 @@
 """The servers `moeshard bench serve` talks to: one already running at a URL, or `moeshard serve`,
 `transformers serve --continuous-batching` and vLLM's OpenAI server (its CPU build, in its own venv:
-bench/peers.py) started here (CPU, one dtype, 127.0.0.1, a free port, the threads asked for), waited
-for, measured (resident memory of the whole process tree) and stopped by PID.
+bench/peers.py) started here (CPU, one dtype, 127.0.0.1, a free port, the threads asked for) and
+measured (resident memory of the whole process tree); moeshard.serve.launcher starts, waits for and
+stops them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,9 +20,8 @@ from pathlib import Path
 import httpx
 
 from moeshard.bench.peers import vllm_env, vllm_python
+from moeshard.serve.launcher import free_port, process_tree, running, serve_command
 
-START_TIMEOUT_S = 600
-STOP_GRACE_S = 20
 KV_BLOCK_SIZE = 16  # moeshard serve's block size (LLM's default)
 MAX_NUM_BATCHED_TOKENS = 2048  # moeshard serve's default step budget; vLLM gets the same
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -58,38 +54,6 @@ IGNORE_EOS = {
 
 
 PEERS = ("transformers", "vllm", *list(MOESHARD_FLAGS)[1:])  # what `bench serve --against` starts beside moeshard
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768 and up). A port from bind(0) is an ephemeral
-    one, which the kernel may hand to another process's socket (a gloo or c10d listener of the
-    engine's ranks) before the server binds it: the server then cannot bind, and a client probing
-    the port meets that socket (seen once in CI: the first /health reset by peer)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port between 20000 and 32767 on 127.0.0.1.")
-
-
-def process_tree(root: int) -> list[int]:
-    """root and its descendants (a server's engine ranks may be processes of their own)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pid, rest = stat.read_text().split(" ", 1)
-        except OSError:
-            continue  # exited while we looked
-        parents[int(pid)] = int(rest.rsplit(")", 1)[1].split()[1])
-    tree = [root]
-    for pid in tree:
-        tree += [child for child, parent in parents.items() if parent == pid]
-    return tree
 
 
 def resident_mb(root: int, key: str = "Pss", source: str = "smaps_rollup") -> float:
@@ -130,9 +94,7 @@ def server_command(
     kind: str, model_dir: str, port: int, max_num_seqs: int, dtype: str, extra: tuple[str, ...] = ()
 ) -> list[str]:
     if kind in MOESHARD_FLAGS:
-        return [sys.executable, "-m", "moeshard", "serve", "--model", model_dir, "--host", "127.0.0.1",
-                "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *MOESHARD_FLAGS[kind],
-                *extra]
+        return serve_command(model_dir, port, max_num_seqs, dtype, (*MOESHARD_FLAGS[kind], *extra))
     # Left alone, each peer sizes its KV cache from free memory (transformers serve held ~13 GiB here,
     # even for the bundled model; vLLM wants 90 % of the RAM free): each gets the cache moeshard reserves.
     if kind == "vllm":  # `vllm serve` itself fails on the CPU package's name; the module runs
@@ -161,61 +123,11 @@ def started(
     """`kind` (one of MOESHARD_FLAGS, "transformers" or "vllm") serving `model_dir` in `dtype` until the block
     ends (moeshard with the `extra` arguments)."""
     port = free_port()
-    log_path = log_dir / f"{kind}-serve.log"
-    command, env = server_command(kind, model_dir, port, max_num_seqs, dtype, extra), server_env(kind, threads)
-    with open(log_path, "w") as log:
-        # its own session: a Ctrl-C in the terminal reaches only us, and we stop it (and its group) below
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
+    command = server_command(kind, model_dir, port, max_num_seqs, dtype, extra)
+    with running(kind, command, server_env(kind, threads), port, log_dir / f"{kind}-serve.log") as proc:
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(base, proc, log_path, kind)
         model = model_dir if not kind.startswith("moeshard") else httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         yield Target(kind, f"{base}/v1", model, IGNORE_EOS[kind], proc.pid)
-    finally:
-        stop(proc)
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, log_path: Path, kind: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text()[-2000:]
-            raise RuntimeError(f"{kind} serve exited with code {proc.returncode} before it was healthy:\n{tail}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{kind} serve was not healthy within {START_TIMEOUT_S} s (log: {log_path})")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (each server shuts down cleanly on it), then SIGKILL to whatever of its tree and its
-    process group (vLLM's engine core, multiprocessing helpers) is left — the kill even when a second
-    Ctrl-C cuts the grace period short."""
-    children = process_tree(proc.pid)[1:]  # now: once the server exits they are no longer its children
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        proc.kill()  # no-op once it has exited (and been reaped)
-        proc.wait()
-        kill(children)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session, so its group's id is its PID
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @contextmanager

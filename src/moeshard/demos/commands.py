@@ -25,8 +25,8 @@ def add_commands(registry: Registry) -> None:
     add_batch_invariant(gen)
     gen.set_defaults(run=generate, layouts_of=generate_layouts)
 
+    from moeshard.demos.common import RLOptions
     from moeshard.demos.grpo import GRPOConfig
-    from moeshard.demos.rl import RLOptions
 
     rlp = registry.command("run", "rl", "GRPO on the arithmetic task: engine and trainer colocated (or disaggregated), logprobs checked",
                            "moeshard rl --disaggregated --routing-replay --minutes 5")

@@ -18,6 +18,7 @@ experts in training than in the rollout.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import time
 from pathlib import Path
@@ -25,11 +26,11 @@ from pathlib import Path
 import openai
 import torch
 
-from moeshard.bench.servers import free_port, started
 from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, exact_matches, held_out
+from moeshard.demos.common import RLOptions, StepRecord, reward, train_on, training_problems
 from moeshard.demos.grpo import Rollout, Trainer, group_advantages
 from moeshard.demos.remote import RemoteEngine
-from moeshard.demos.rl import RLOptions, StepRecord, reward, train_on, training_problems
+from moeshard.serve.launcher import free_port, running, serve_command
 
 SERVER_THREADS = 2  # OMP threads of the server's process (each rank then runs 1)
 
@@ -119,10 +120,11 @@ def server_flags(options: RLOptions) -> tuple[str, ...]:
 class Session:
     """The trainer's side of the loop: the server's address, the weights group, the current version."""
 
-    def __init__(self, target, trainer: Trainer, options: RLOptions, replay: bool):
-        self.model, self.trainer, self.options, self.replay = target.model, trainer, options, replay
-        self.client = openai.OpenAI(base_url=target.base_url, api_key="none", max_retries=0, timeout=600)
-        self.remote = RemoteEngine(target.base_url.removesuffix("/v1"))
+    def __init__(self, base: str, trainer: Trainer, options: RLOptions, replay: bool):
+        # the model's name on the server: moeshard serve names it by its --model
+        self.model, self.trainer, self.options, self.replay = str(options.model), trainer, options, replay
+        self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+        self.remote = RemoteEngine(base)
         self.remote.join_weights_group(free_port())
         self.version = "default"
         self.replay_shape = (len(trainer.replay.routers), trainer.replay.routers[0].top_k) if replay else (0, 0)  # Y, K
@@ -179,9 +181,11 @@ def run_disaggregated(options: RLOptions, replay: bool, log_dir: Path, on_step=l
     eval_set, excluded = held[: options.eval_problems], {p.prompt for p in held}
     rng = random.Random(options.seed)
     trainer = (ReplayTrainer if replay else Trainer)(str(options.model), options.grpo, options.seed)
-    max_num_seqs = max(options.per_group, 16)
-    with started("moeshard", str(options.model), SERVER_THREADS, max_num_seqs, log_dir, server_flags(options), "float32") as target:
-        session = Session(target, trainer, options, replay)
+    max_num_seqs, port = max(options.per_group, 16), free_port()
+    command = serve_command(str(options.model), port, max_num_seqs, "float32", server_flags(options))
+    env = {**os.environ, "OMP_NUM_THREADS": str(SERVER_THREADS)}
+    with running("moeshard", command, env, port, log_dir / "moeshard-serve.log"):
+        session = Session(f"http://127.0.0.1:{port}", trainer, options, replay)
         records = [StepRecord(0, accuracy=session.accuracy(eval_set, 0))]
         on_step(records[0])
         budget_end = time.monotonic() + options.minutes * 60

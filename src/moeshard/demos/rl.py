@@ -25,84 +25,18 @@ import os
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, Problem, exact_matches, held_out, random_problem
+from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, Problem, exact_matches, held_out
+from moeshard.demos.common import WEAK_MODEL_DIR, LogprobGapError, RLOptions, StepRecord, reward, train_on, training_problems
+from moeshard.demos.disaggregated import run_disaggregated
 from moeshard.demos.grpo import GRPOConfig, Rollout, group_advantages, receive_weights, serve_trainer
 from moeshard.engine import LLM, SamplingParams
 from moeshard.parallel import Layout
 from moeshard.verify.eval import GREEDY
-
-WEAK_MODEL_DIR = Path(__file__).parents[1] / "bundled" / "arithmetic_moe_weak"
-
-
-class LogprobGapError(RuntimeError):
-    """The engine's logprobs disagree with the trainer's on the tokens the engine sampled."""
-
-
-@dataclass(frozen=True)
-class RLOptions:
-    steps: int | None = None  # None: as many as `minutes` allow
-    minutes: float = 5.0  # the loop's time budget (start-up and the last accuracy come on top)
-    problems: int = 32  # P per step
-    group: int = 8  # G completions per problem
-    eval_every: int = 25
-    eval_problems: int = 500
-    layout: Layout = Layout(1, 2, True)
-    moe_comm: str = "alltoall"
-    compile: bool | str = False
-    seed: int = 0
-    # The G samples of a problem share its prompt's KV blocks; the prompts are ~9 tokens, so blocks of 4.
-    prefix_caching: bool = True
-    block_size: int = 4
-    model: Path = WEAK_MODEL_DIR
-    grpo: GRPOConfig = GRPOConfig()
-
-    @property
-    def per_group(self) -> int:
-        """A step's rollouts per DP group: the engine runs them all at once."""
-        return -(-self.problems * self.group // self.layout.dp)
-
-
-@dataclass
-class StepRecord:
-    step: int  # 0: the starting policy, before any update
-    reward_mean: float | None = None
-    accuracy: float | None = None  # held-out greedy exact match after this step's update (None: not measured)
-    max_abs_dlogprob: float | None = None  # engine vs trainer on this step's sampled tokens
-    mean_abs_dlogprob: float | None = None
-    max_ratio_deviation: float | None = None  # max |exp(trainer − engine) − 1|: the importance ratio's error
-    rollout_tok_s: float | None = None
-    sleep_s: float | None = None
-    update_s: float | None = None
-    wake_s: float | None = None
-    train_s: float | None = None
-    rss_engine_awake_mb: float | None = None  # all engine ranks together
-    rss_engine_asleep_mb: float | None = None
-    rss_trainer_awake_mb: float | None = None
-    rss_trainer_asleep_mb: float | None = None
-    engine_held_mb: float | None = None  # the engine's weights, derived tensors and KV cache, all ranks
-    routing_disagreement: float | None = None  # with routing replay: share of (token, MoE layer) the trainer would route otherwise
-    elapsed_s: float = 0.0
-
-
-def reward(problem: Problem, text: str) -> float:
-    """Exact match. No format reward: every completion of the starting policy is already a
-    well-formed number, so one would add a constant and teach nothing."""
-    return float(text == problem.answer)
-
-
-def training_problems(rng: random.Random, n: int, excluded: set[str]) -> list[Problem]:
-    problems = []
-    while len(problems) < n:
-        problem = random_problem(rng)
-        if problem.prompt not in excluded:
-            problems.append(problem)
-    return problems
-
 
 def accuracy(llm: LLM, problems: list[Problem]) -> float:
     outputs = llm.generate([p.prompt for p in problems], GREEDY)
@@ -206,19 +140,6 @@ def run_rl(options: RLOptions, on_step=lambda record: None) -> list[StepRecord]:
     finally:
         trainer.close()
     return records
-
-
-def train_on(trainer, rollout: Rollout, step: int, tolerance: float) -> tuple[dict, float]:
-    """The trainer's report on `rollout` and its seconds; a LogprobGapError if it refused to train."""
-    t0 = time.perf_counter()
-    report = trainer.step(rollout)
-    if not report["trained"]:
-        raise LogprobGapError(
-            f"step {step}: the engine's logprobs differ from the trainer's on the tokens it sampled by up to "
-            f"{report['max_abs_dlogprob']:.3g} (tolerance {tolerance:g}, importance ratio off by "
-            f"{report['max_ratio_deviation']:.3g}); the rollout was not trained on."
-        )
-    return report, time.perf_counter() - t0
 
 
 def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, rng, excluded) -> StepRecord:
@@ -402,8 +323,6 @@ def rl_command(args) -> int:
 
         try:
             if args.disaggregated:
-                from moeshard.demos.disaggregated import run_disaggregated
-
                 log_dir = Path(tempfile.mkdtemp(prefix="moeshard-rl-"))
                 progress.console.print(f"the server's log: {log_dir}/moeshard-serve.log")
                 records = run_disaggregated(options, args.routing_replay, log_dir, on_step)

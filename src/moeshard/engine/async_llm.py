@@ -4,7 +4,7 @@ One thread owns the engine core, the `EngineLoop`: it applies the requests, abor
 calls that arrived since the last step, steps while any request is live, and reports each step's
 deltas to its sink. `AsyncLLM` is the sink on the asyncio side: every delta goes to its request's
 queue, with one wake-up of each event loop per step. The loop runs in the caller's process
-(`AsyncLLM.in_process`) or in an engine process of its own (`AsyncLLM.in_engine_process`,
+(`AsyncLLM.in_process`) or in an engine process of its own (`in_engine_process` of
 moeshard.engine.engine_process), where a forward never waits for the GIL behind HTTP and JSON: the
 split of vLLM's API server and engine core. Both take the same calls and report the same events;
 a control call names a method of the LLM, so that it can cross the process boundary.
@@ -78,7 +78,6 @@ class EngineLoop:
         self.calls: list[tuple[int, str, tuple]] = []
         self.lost: BaseException | None = None  # a rank lost while the loop may be idle
         self.closing = False
-        self.paused: str | None = None  # the pause mode in force
         self.draining: int | None = None  # the call id of a pause(mode=wait) whose requests still run
         self.held: list[tuple[int, list[int], SamplingParams, str | None]] = []  # arrived during a pause
         llm.on_rank_lost(self.notice_loss)
@@ -93,6 +92,15 @@ class EngineLoop:
 
     def call(self, call_id: int, method: str, args: tuple) -> None:
         self.put(self.calls, (call_id, method, args))
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force; the core keeps it, so that an update knows its requests are parked."""
+        return self.core.paused
+
+    @paused.setter
+    def paused(self, mode: str | None) -> None:
+        self.core.paused = mode
 
     def put(self, queue: list, item) -> None:
         with self.lock:
@@ -223,14 +231,6 @@ class AsyncLLM:
     def in_process(cls, llm) -> "AsyncLLM":
         """The loop in a thread of this process, over `llm` (an LLM)."""
         return cls(llm, lambda sink: EngineLoop(llm, sink))
-
-    @classmethod
-    def in_engine_process(cls, **llm_options) -> "AsyncLLM":
-        """The loop and the LLM(**llm_options) in an engine process of their own; returns once the
-        engine is up (an engine that cannot start raises here, with its reason)."""
-        from moeshard.engine.engine_process import EngineProcess, inputs_of
-
-        return cls(inputs_of(llm_options), lambda sink: EngineProcess(llm_options, sink))
 
     # --- the asyncio side -----------------------------------------------------------------------
 

@@ -37,7 +37,11 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
-    weight_version: str = ""  # the weights that produced it: the same for every delta of a request
+    weight_version: str = ""  # the weights in force for the request now
+    # Which weights sampled which of its output tokens so far: [{version, start, end}] (end exclusive),
+    # covering every token once; more than one span only after an update while it was parked.
+    weight_versions: list[dict] = field(default_factory=list)
+    matched: int | str | None = None  # finished with reason "stop": the token id or stop string that ended it
     # On the finished delta, with SamplingParams.return_routed_experts: [token][MoE layer][top_k] global
     # expert ids, for every token the model read (prompt + output but the last); an aborted request's
     # rows so far.
@@ -105,8 +109,10 @@ class EngineCore:
         self.announced: set[int] = set()  # requests whose sampler the ranks hold
         self.forget: list[int] = []  # finished requests whose samplers the next step drops
         self.stats = StepStats()
-        # Stamped on each request as it arrives: weights change only while none is in flight.
+        # Stamped on each request as it arrives; weights change while none runs (none is in flight, or
+        # those in flight are parked by a pause: see `weights_updated`).
         self.weight_version = INITIAL_VERSION
+        self.paused: str | None = None  # the pause mode in force (no step runs; requests in flight are parked)
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: int | None = None, cache_salt: str | None = None
@@ -139,6 +145,21 @@ class EngineCore:
         computed before can match a later lookup."""
         for group in self.groups:
             group.blocks.version += 1
+
+    def name_weights(self, weight_version: str) -> None:
+        """The weights in force are `weight_version` from here on: for new requests, and for the next
+        tokens of those in flight."""
+        self.weight_version = weight_version
+        for request, _ in self.requests.values():
+            request.weight_version = weight_version
+
+    def weights_updated(self, kv_after_update: str) -> None:
+        """New weights are in: every parked request runs on them from its next token, and its K/V is
+        kept or (by its own kv_after_update, else the engine's) recomputed under them first."""
+        for request, group in self.requests.values():
+            request.weight_version = self.weight_version
+            if (request.params.kv_after_update or kv_after_update) == "recompute":
+                group.recompute(request)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (their memory is free at once; running requests keep theirs)."""
@@ -226,7 +247,7 @@ class EngineCore:
         new_ids = request.output_ids[tokens_out:]
         delta = RequestDelta(
             request.id, new_ids, text[chars_out:], None, finished, request.finish_reason, request.cached_tokens,
-            request.weight_version,
+            request.weight_version, request.weight_versions, request.matched,
         )
         if request.params.logprobs is not None:
             delta.logprobs = [s.top_logprobs | {s.token: s.logprob} for s in request.samples[tokens_out:]]

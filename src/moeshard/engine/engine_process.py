@@ -1,4 +1,4 @@
-"""The engine core in a process of its own, behind an API server (`AsyncLLM.in_engine_process`).
+"""The engine core in a process of its own, behind an API server (`in_engine_process`).
 
 The API server's process checks and tokenizes requests (moeshard.engine.inputs, no weights) and
 streams the answers; the engine process holds the LLM (rank 0's worker, and the other ranks it
@@ -25,14 +25,19 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-import moeshard
-
 from moeshard.bundled.arithmetic import MODEL_DIR
-from moeshard.engine.async_llm import EngineLoop, Readiness, Sink
+from moeshard.commandline import LOG_FORMAT
+from moeshard.engine.async_llm import AsyncLLM, EngineLoop, Readiness, Sink
 from moeshard.engine.core import RequestDelta
 from moeshard.engine.inputs import Inputs
 from moeshard.engine.llm import LLM, checked_layout
 from moeshard.parallel.launch import exit_with_parent
+
+
+def in_engine_process(**llm_options) -> AsyncLLM:
+    """An AsyncLLM whose loop and LLM(**llm_options) run in an engine process of their own; returns
+    once the engine is up (an engine that cannot start raises here, with its reason)."""
+    return AsyncLLM(inputs_of(llm_options), lambda sink: EngineProcess(llm_options, sink))
 
 
 def inputs_of(llm_options: dict) -> Inputs:
@@ -83,7 +88,7 @@ class PipeSink:
 
 def engine_main(conn, llm_options: dict, parent_pid: int) -> None:
     exit_with_parent(parent_pid)
-    logging.basicConfig(level=logging.WARNING, format=moeshard.LOG_FORMAT)
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
 
     try:
         llm = LLM(**llm_options)

@@ -68,10 +68,9 @@ class Inputs:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
-        """A request's token ids and parameters, or a ValueError naming what is wrong with it."""
-        if isinstance(params, dict):
-            params = SamplingParams.from_options(**params)
+    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids, or a RequestError: text the tokenizer refuses, an empty prompt, an id
+        outside the vocabulary. Its length is `check_request`'s to judge."""
         try:
             ids = self.encode(prompt)
         except ValueError as exc:
@@ -80,6 +79,15 @@ class Inputs:
             raise RequestError("the prompt is empty.", "prompt")
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestError(f"the prompt has a token id outside the vocabulary [0, {self.vocab_size}).", "prompt")
+        return ids
+
+    def check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        """A request's token ids and parameters, or a ValueError naming what is wrong with it."""
+        if isinstance(params, dict):
+            params = SamplingParams.from_options(**params)
+        ids = self.check_prompt(prompt)
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids has a token id outside the vocabulary [0, {self.vocab_size}).", "stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}.", "prompt")
         capacity = self.num_blocks * self.block_size

@@ -22,7 +22,10 @@ from moeshard.models.model import part_of, unused_by_design
 from moeshard.runtime import derived, memory
 
 TAGS = ("weights", "kv_cache")
-UPDATE_IN_FLIGHT = "they would mix two sets of weights: pause generation first, or abort them (abort_all_requests)"
+UPDATE_IN_FLIGHT = (
+    "an update would land between two of their steps: pause generation (mode keep parks them across it), "
+    "or abort them (abort_all_requests)"
+)
 
 
 @dataclass(frozen=True)
@@ -100,21 +103,24 @@ class EngineLifecycle:
     `self.core` (its prefix cache keys blocks by the weights' version), `self.directory` and
     `self.schema`; call `init_lifecycle()` from the engine's constructor."""
 
-    def init_lifecycle(self) -> None:
+    def init_lifecycle(self, kv_after_update: str = "keep") -> None:
         self.released: set[str] = set()  # memory a sleep released and no wake has re-created
         self.weights_lost = False  # sleep(level=2) dropped the weights; reload before generating
         # Negative controls only: with the rebuild off, derived tensors stay as the wake left them.
         self.rebuild_derived = os.environ.get("MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD") != "1"
         self.weight_version = INITIAL_VERSION  # names the weights every request is answered with
+        self.kv_after_update = kv_after_update  # what an update does to a parked request's K/V (SamplingParams)
 
-    def quiesce(self, abort_running: bool, otherwise: str) -> None:
-        """No request may straddle a change of weights or memory: those in flight (running, waiting,
-        or parked by a pause) refuse the change, or with `abort_running` are aborted."""
+    def quiesce(self, abort_running: bool, otherwise: str, parked_may_stay: bool = False) -> None:
+        """No step may straddle a change of weights or memory: requests in flight refuse the change,
+        or with `abort_running` are aborted. With `parked_may_stay` (a weight update), requests a
+        pause parks stay: they go on under the new weights (`EngineCore.weights_updated`)."""
         live = self.core.live_request_ids()
-        if live and not abort_running:
+        if live and not abort_running and not (parked_may_stay and self.core.paused):
             raise RuntimeError(f"{len(live)} requests are in flight; {otherwise}.")
-        for request_id in live:
-            self.core.abort(request_id)
+        if abort_running:
+            for request_id in live:
+                self.core.abort(request_id)
 
     def sleep(self, level: int = 1, abort_running: bool = False) -> list[float]:
         """Release memory for a colocated trainer: level 1 backs the weights up to the host, level 2
@@ -151,7 +157,7 @@ class EngineLifecycle:
     def reload_weights(self, weight_version: str | None = None, abort_running: bool = False) -> None:
         """Read the weights from the model directory again (after sleep(level=2), or to undo updates)."""
         self.check_weights_present()
-        self.quiesce(abort_running, UPDATE_IN_FLIGHT)
+        self.quiesce(abort_running, UPDATE_IN_FLIGHT, parked_may_stay=True)
         self.core.weights_changed()
         self.ranks.call("reload_weights")
         self.weights_written(weight_version or INITIAL_VERSION)
@@ -171,19 +177,30 @@ class EngineLifecycle:
         """
         self.check_weights_present()
         parts = self.schema.check(named_tensors, complete)
-        self.quiesce(abort_running, UPDATE_IN_FLIGHT)
+        self.quiesce(abort_running, UPDATE_IN_FLIGHT, parked_may_stay=True)
         self.core.weights_changed()
         for part, tensors in parts.items():
             self.ranks.call("update_part", part, tensors, complete)
         return self.weights_written(weight_version)
 
     def weights_written(self, weight_version: str | None) -> int | None:
-        """After new weights are in the parameters: rebuild the derived tensors, name the version."""
+        """After new weights are in the parameters: rebuild the derived tensors, name the version,
+        move the parked requests onto them."""
         generation = self.ranks.call("rebuild_derived")[0] if self.rebuild_derived else None
         self.weights_lost = False
         if weight_version is not None:
-            self.weight_version = self.core.weight_version = weight_version
+            self.update_weight_version(weight_version)
+        self.core.weights_updated(self.kv_after_update)
         return generation
+
+    def update_weight_version(self, weight_version: str) -> None:
+        """Name the weights in force `weight_version` from here on (SGLang's /update_weight_version):
+        a label only — the weights, the KV cache and the prefix cache stay as they are. Requests in
+        flight run on these weights, so their next tokens carry the new name (a new span)."""
+        if not weight_version:
+            raise ValueError("weight_version must be a non-empty string.")
+        self.weight_version = weight_version
+        self.core.name_weights(weight_version)
 
     def update_weights_from_disk(
         self, directory: str | Path, weight_version: str | None = None, abort_running: bool = False

@@ -20,7 +20,7 @@ from moeshard.engine.core import CoreLimits, EngineCore, EngineStats, RequestDel
 from moeshard.engine.inputs import Inputs
 from moeshard.engine.lifecycle import EngineLifecycle, WeightSchema
 from moeshard.engine.ranks import LocalRanks, Ranks
-from moeshard.engine.sampling import SamplingParams
+from moeshard.engine.sampling import KV_AFTER_UPDATE, SamplingParams
 from moeshard.engine.scheduler import StopRules
 from moeshard.engine.weight_sync import EngineWeightSync
 from moeshard.models.model import check_layout
@@ -38,7 +38,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort", or None on error
     error: str | None = None  # this request was refused; the others ran
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    weight_version: str | None = None  # the weights that produced it (see LLM.update_weights)
+    weight_version: str | None = None  # the weights in force for it last (see LLM.update_weights)
+    weight_versions: list[dict] = field(default_factory=list)  # [{version, start, end}]: which weights sampled which tokens
+    matched: int | str | None = None  # finish_reason "stop": the token id or stop string that ended it
     # With SamplingParams.return_routed_experts: [token][MoE layer][top_k] global expert ids of every
     # token the model read (prompt + output but the last), MoE layers in model order; nested lists
     # (torch.tensor() of it is [tokens, MoE layers, top_k]). An aborted request's rows so far.
@@ -46,6 +48,7 @@ class RequestOutput:
 
     def append(self, delta: RequestDelta) -> None:
         self.num_cached_tokens, self.weight_version = delta.cached_tokens, delta.weight_version
+        self.weight_versions, self.matched = delta.weight_versions, delta.matched
         self.text += delta.text
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
@@ -125,6 +128,7 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         seed: int = 0,
         enable_prefix_caching: bool = True,
         batch_invariant: bool = False,
+        kv_after_update: str = "keep",
     ):
         """`model`: a Hugging Face model directory; None: the bundled arithmetic model.
         `compile`: True (inductor) or a torch.compile backend name.
@@ -132,7 +136,10 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         `enable_prefix_caching`: reuse the KV blocks of prompts seen before (keyed by the weights'
         version too, so a weight change never serves a stale block).
         `batch_invariant`: a request's tokens and logprobs bitwise the same whatever else runs with
-        it (docs/DESIGN.md §11); needs moeshard's CPU kernels."""
+        it (docs/DESIGN.md §11); needs moeshard's CPU kernels.
+        `kv_after_update`: what a weight update made while a pause parks requests does to their K/V,
+        unless a request says otherwise (SamplingParams.kv_after_update): "keep" it, or "recompute"
+        it under the new weights before their next token."""
         directory = Path(model) if model is not None else MODEL_DIR
         Inputs.__init__(self, directory, max_model_len, max_num_seqs, num_kv_blocks, block_size)
         cfg = self.config
@@ -148,7 +155,9 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         config = worker.WorkerConfig(
             str(self.directory), self.layout, self.dtype, self.num_blocks, block_size, moe_comm, backend, batch_invariant
         )
-        self.init_lifecycle()
+        if kv_after_update not in KV_AFTER_UPDATE:
+            raise ValueError(f"kv_after_update must be {' or '.join(KV_AFTER_UPDATE)}, got {kv_after_update!r}.")
+        self.init_lifecycle(kv_after_update)
         self.init_weight_sync()
         self.ranks = open_ranks(self.layout, config)
         self.device = self.ranks.host.worker.model.parallel.device

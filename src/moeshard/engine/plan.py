@@ -10,7 +10,7 @@ integers: float64 holds them exactly). Nothing hidden- or vocabulary-sized is in
 
     plan    = [num_groups, num_finished, finished ids…, group 0, group 1, …]
     group   = [num_new, new request…, num_chunks, chunk…]
-    new     = [id, seed, temperature bits, top_k, top_p bits, logprobs (-1: none)]
+    new     = [id, seed, temperature bits, top_k, top_p bits, logprobs (-1: none), logprobs mode]
     chunk   = [id, start, samples, records_routing, num_tokens, num_blocks, tokens…, blocks…]
     results = [num_samples, sample…, routing…]
     sample  = [token, logprob, N, (token, logprob) × N]
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeshard.engine.sampling import Sample, SamplingParams
+from moeshard.engine.sampling import LOGPROBS_MODES, Sample, SamplingParams
 from moeshard.models.runner import Chunk
 
 NO_LOGPROBS = -1
@@ -35,7 +35,7 @@ NO_LOGPROBS = -1
 class NewRequest:
     id: int
     seed: int
-    params: SamplingParams  # only the sampler's fields travel: temperature, top_k, top_p, logprobs
+    params: SamplingParams  # only the sampler's fields travel: temperature, top_k, top_p, logprobs and their mode
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,8 @@ def encode_plan(plan: StepPlan) -> torch.Tensor:
         for r in group.new:
             p = r.params
             logprobs = NO_LOGPROBS if p.logprobs is None else p.logprobs
-            out += [r.id, r.seed, float_bits(p.temperature), p.top_k, float_bits(p.top_p), logprobs]
+            mode = LOGPROBS_MODES.index(p.logprobs_mode)
+            out += [r.id, r.seed, float_bits(p.temperature), p.top_k, float_bits(p.top_p), logprobs, mode]
         out.append(len(group.chunks))
         for c in group.chunks:
             out += [c.request_id, c.chunk.start, int(c.samples), int(c.records_routing)]
@@ -94,10 +95,10 @@ def decode_plan(plan_P: torch.Tensor) -> StepPlan:
     for _ in range(num_groups):
         new = []
         for _ in range(next(values)):
-            rid, seed, temperature, top_k, top_p, logprobs = take(6)
+            rid, seed, temperature, top_k, top_p, logprobs, mode = take(7)
             params = SamplingParams(
                 temperature=bits_float(temperature), top_k=top_k, top_p=bits_float(top_p),
-                logprobs=None if logprobs == NO_LOGPROBS else logprobs,
+                logprobs=None if logprobs == NO_LOGPROBS else logprobs, logprobs_mode=LOGPROBS_MODES[mode],
             )
             new.append(NewRequest(rid, seed, params))
         chunks = []

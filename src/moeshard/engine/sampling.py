@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+KV_AFTER_UPDATE = ("keep", "recompute")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0: greedy
@@ -25,6 +29,14 @@ class SamplingParams:
     # Also return, when it finishes, the experts each token was routed to in every MoE layer (for
     # routing replay in a trainer); such a request never reads the prefix cache (docs/DESIGN.md §7).
     return_routed_experts: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # sampling any of these ends the request (reason "stop"), EOS or not
+    # vLLM's: logprobs of the model's raw logits, or of the distribution actually sampled from (after
+    # temperature, top-k and top-p; a greedy request's are then those of its top-k / top-p only).
+    logprobs_mode: str = "raw_logprobs"
+    # What a weight update made while this request is parked (pause keep) does to its K/V: "keep" it
+    # (its later tokens attend to K/V of the older weights), or "recompute" it under the new weights
+    # before its next token. None: the engine's default (LLM(kv_after_update=...)).
+    kv_after_update: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
@@ -38,6 +50,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must not be negative, got {self.logprobs}.")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be {' or '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
+        if self.kv_after_update not in (None, *KV_AFTER_UPDATE):
+            raise ValueError(f"kv_after_update must be {' or '.join(KV_AFTER_UPDATE)}, got {self.kv_after_update!r}.")
 
     @classmethod
     def from_options(cls, **options) -> "SamplingParams":
@@ -56,9 +73,10 @@ class Sample:
     top_logprobs: dict[int, float] = field(default_factory=dict)
 
 
-def draw(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of fp32 logits, with temperature, top-k and top-p."""
-    scaled_V = logits_V / params.temperature
+def processed(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits sampled from: scaled by the temperature (a greedy request's are left as they are),
+    those outside top-k and top-p at -inf."""
+    scaled_V = logits_V / params.temperature if params.temperature else logits_V
     if params.top_k:
         kth = scaled_V.topk(min(params.top_k, scaled_V.numel())).values[-1]
         scaled_V = scaled_V.masked_fill(scaled_V < kth, float("-inf"))
@@ -68,7 +86,12 @@ def draw(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # Keep the smallest prefix whose mass reaches top_p (always the first token).
         drop_V = probs_V.cumsum(-1) - probs_V >= params.top_p
         scaled_V = scaled_V.scatter(0, order_V, sorted_V.masked_fill(drop_V, float("-inf")))
-    return int(torch.multinomial(scaled_V.softmax(-1), 1, generator=generator))
+    return scaled_V
+
+
+def draw(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of fp32 logits, with temperature, top-k and top-p."""
+    return int(torch.multinomial(processed(logits_V, params).softmax(-1), 1, generator=generator))
 
 
 def sample_batch(
@@ -84,9 +107,12 @@ def sample_batch(
         if p.logprobs is None:
             samples.append(Sample(token))
             continue
+        logprobs_V = logprobs_NV[i]
+        if p.logprobs_mode == "processed_logprobs":
+            logprobs_V = processed(logits_NV[i], p).log_softmax(-1)
         top = {}
         if p.logprobs:
-            values, ids = logprobs_NV[i].topk(min(p.logprobs, logprobs_NV.shape[-1]))
+            values, ids = logprobs_V.topk(min(p.logprobs, logprobs_V.shape[-1]))
             top = dict(zip(ids.tolist(), values.tolist()))
-        samples.append(Sample(token, float(logprobs_NV[i, token]), top))
+        samples.append(Sample(token, float(logprobs_V[token]), top))
     return samples

@@ -43,7 +43,11 @@ class Request:
     cache_salt: str | None = None  # part of its blocks' keys: only requests with the same salt share them
     prefix: Prefix = Prefix()  # its blocks keyed in the prefix cache so far
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
-    weight_version: str = ""  # the weights it runs on (the engine's when it arrived)
+    weight_version: str = ""  # the weights it runs on (the engine's when it arrived, or its last update's)
+    # Which weights sampled which output tokens: [version, start, end) spans in order, covering the
+    # output once (a weight update while the request was parked starts a new span).
+    version_spans: list[list] = field(default_factory=list)
+    matched: int | str | None = None  # what ended it with reason "stop": the token id or the stop string
     # With params.return_routed_experts: by position, the global expert ids [MoE layer][top_k] it
     # was routed to (a recompute after preemption rewrites the same positions).
     routed_experts: list[list[list[int]]] = field(default_factory=list)
@@ -55,6 +59,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def append_token(self, sample: Sample) -> None:
+        self.output_ids.append(sample.token)
+        self.samples.append(sample)
+        end, spans = len(self.output_ids), self.version_spans
+        if spans and spans[-1][0] == self.weight_version:
+            spans[-1][2] = end
+        else:
+            spans.append([self.weight_version, end - 1, end])
+
+    @property
+    def weight_versions(self) -> list[dict]:
+        return [{"version": v, "start": start, "end": end} for v, start, end in self.version_spans]
 
     def record_routing(self, start: int, experts_TYK: torch.Tensor) -> None:
         """Positions [start, start + rows) were routed to `experts_TYK` ([rows, MoE layers, top_k]).
@@ -101,10 +118,17 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Free its blocks; it recomputes its prompt and output so far when it runs again."""
-        self.blocks.release(request.blocks)
-        request.num_computed, request.status, request.prefix = 0, Status.WAITING, Prefix()
+        self.recompute(request)
         request.preemptions += 1
         self.num_preemptions += 1
+
+    def recompute(self, request: Request) -> None:
+        """Drop a running request's K/V: its prompt and output so far are computed again (under the
+        weights then in force, keyed by their version in the prefix cache) before its next token."""
+        if request.status is not Status.RUNNING:
+            return  # waiting: it holds no K/V
+        self.blocks.release(request.blocks)
+        request.num_computed, request.status, request.prefix = 0, Status.WAITING, Prefix()
         self.running.remove(request)
         self.waiting.appendleft(request)
 
@@ -170,21 +194,20 @@ class Scheduler:
 
     def append(self, request: Request, sample: Sample) -> None:
         params, rules = request.params, self.rules
-        request.output_ids.append(sample.token)
-        request.samples.append(sample)
-        if sample.token in rules.eos and not params.ignore_eos:
-            return self.finish(request, "stop")
+        request.append_token(sample)
+        if (sample.token in rules.eos and not params.ignore_eos) or sample.token in params.stop_token_ids:
+            return self.finish(request, "stop", matched=sample.token)
         if params.stop:
             text = rules.decode(request.output_ids)
             for stop in params.stop:
                 if stop in text:
-                    return self.finish(request, "stop", text[: text.index(stop)])
+                    return self.finish(request, "stop", text[: text.index(stop)], stop)
         if len(request.output_ids) >= params.max_tokens or request.num_tokens >= rules.max_model_len:
             self.finish(request, "length")
 
-    def finish(self, request: Request, reason: str, text: str | None = None) -> None:
+    def finish(self, request: Request, reason: str, text: str | None = None, matched: int | str | None = None) -> None:
         """End `request` (running, or still waiting when aborted); its blocks are free at once."""
         (self.running if request.status is Status.RUNNING else self.waiting).remove(request)
-        request.status, request.finish_reason = Status.FINISHED, reason
+        request.status, request.finish_reason, request.matched = Status.FINISHED, reason, matched
         request.text = self.rules.decode(request.output_ids) if text is None else text
         self.blocks.release(request.blocks)

@@ -194,7 +194,7 @@ class EngineWeightSync:
         try:
             self.check_weights_present()
             self.schema.check_announced(metas)
-            self.quiesce(abort_running, UPDATE_IN_FLIGHT)
+            self.quiesce(abort_running, UPDATE_IN_FLIGHT, parked_may_stay=True)
         except (ValueError, RuntimeError) as exc:
             refusal = exc
         try:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app (docs/DESIGN.md §7): FastAPI routes over one `AsyncLLM`.
 
 Each choice of a request (n per prompt, for every prompt of a batch) is one engine request; their
-deltas are merged into one response, or streamed as SSE chunks ending in `data: [DONE]`. A client
+deltas are merged into one response, or streamed as SSE chunks ending in `data: [DONE]`. SGLang's
+and vLLM's drop-in profiles (serve/sglang.py, serve/vllm.py) are names and shapes over `Server`'s
+methods. A client
 that goes away cancels its handler, which aborts its engine requests: their KV blocks are free
 before the next step. Every refusal is an OpenAI error object, answered before anything reaches
 the engine, so a bad request never touches the others.
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -42,11 +45,13 @@ from moeshard.serve.protocol import (
     DestroyWeightsGroupRequest,
     InitWeightsGroupRequest,
     PauseRequest,
+    ResetCacheRequest,
     TokenizeRequest,
     UpdateFromDiskRequest,
     UpdateFromDistributedRequest,
     UpdateFromTensorRequest,
     WeightUpdate,
+    choice_seeds,
     error_body,
     error_response,
     validation_message,
@@ -60,6 +65,9 @@ class ServeSettings:
     enable_sleep_mode: bool = False
     sleep_wait_s: float = 300.0  # sleep(mode=wait): longest wait for in-flight requests
     max_request_bytes: int = 1 << 20
+
+
+SGLANG_PAUSE_MODES = {"in_place": "keep", "retract": "keep"}  # SGLang's pause modes → the engine's
 
 
 def default_max_request_bytes(max_model_len: int) -> int:
@@ -108,17 +116,35 @@ class Choice:
     finish_reason: str | None = None
     cache_salt: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    weight_version: str | None = None  # the weights that produced it
+    weight_version: str | None = None  # the weights in force for it last
+    weight_versions: list[dict] = field(default_factory=list)  # which weights sampled which tokens (RequestDelta)
     routed_experts: list[list[list[int]]] | None = None  # asked with return_routed_experts: see RequestDelta
+    rid: str | None = None  # the client's name for it (SGLang's rid, vLLM's request_id): /abort_request takes it
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One prompt of a token-in/token-out request: its n choices differ only in their seeds."""
+
+    prompt: str | list[int]
+    options: dict  # SamplingParams fields but max_tokens and seed
+    max_tokens: int | None  # None: the rest of the context
+    n: int = 1
+    seed: int | None = None  # choice i gets seed + i, as completions' n choices do
+    rid: str | None = None
+
+    def seeds(self) -> list[int | None]:
+        return choice_seeds(self.seed, self.n)
 
 
 def extras(body, choice: Choice, delta: RequestDelta | None = None) -> dict:
     """A choice's fields past OpenAI's, for the whole choice or one streamed `delta` of it: the
-    weights that produced it; with return_token_ids its token ids (the prompt's once: on the last
+    weights that produced it (the version in force, and the spans of tokens each version sampled); with return_token_ids its token ids (the prompt's once: on the last
     chunk); with return_routed_experts, `routed_experts` ([token][MoE layer][top_k] expert ids: the
     finished delta carries them)."""
     part = choice if delta is None else delta
-    out = {"weight_version": part.weight_version}
+    out = {"weight_version": part.weight_version, "weight_versions": part.weight_versions}
     if body.return_token_ids:
         out["token_ids"] = part.token_ids
         if delta is None or delta.finished:
@@ -134,6 +160,7 @@ class Server:
         self.metrics = ServerMetrics(settings.model_name)
         self.scrape_lock = asyncio.Lock()
         self.draining = False  # a sleep is waiting for in-flight requests: admit no new ones
+        self.live: dict[int, str | None] = {}  # engine request id → the client's rid, while it runs
         self.created = int(time.time())
         self.chat_template = read_chat_template(self.inputs.directory)
 
@@ -169,14 +196,44 @@ class Server:
                 raise Refused(400, str(exc)) from None
         return choices
 
+    def rollout_choices(self, rollouts: list[Rollout], cache_salt: str | None, fields: dict[str, str]) -> list[Choice]:
+        """The choices of token-in/token-out requests (both drop-in profiles), prompt by prompt, checked
+        whole before any is queued; `fields` renames "prompt" and "max_tokens" in refusals to the
+        profile's names. A prompt that leaves no room for a token (it fills the context, or max_tokens
+        is 0) is not refused: its choices arrive finished, reason "length", with no token — verl and
+        slime clamp a resubmission's budget on their side and rely on that answer."""
+        choices = []
+        try:
+            for p, rollout in enumerate(rollouts):
+                ids = self.inputs.check_prompt(rollout.prompt)
+                room = self.inputs.max_model_len - len(ids)
+                tokens = room if rollout.max_tokens is None else rollout.max_tokens
+                for seed in rollout.seeds():
+                    if min(room, tokens) <= 0:
+                        params, finished = SamplingParams(**rollout.options, max_tokens=1, seed=seed), "length"
+                    else:
+                        params = SamplingParams(**rollout.options, max_tokens=tokens, seed=seed)
+                        params, finished = self.inputs.check_request(ids, params)[1], None
+                    choices.append(Choice(len(choices), p, ids, params, cache_salt=cache_salt, rid=rollout.rid,
+                                          finish_reason=finished))
+        except RequestError as exc:
+            raise Refused(400, str(exc), fields.get(exc.param, exc.param)) from None
+        except ValueError as exc:
+            raise Refused(400, str(exc)) from None
+        return choices
+
     async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestDelta]]:
-        """Every choice's deltas as they come; leaving early (or being cancelled) aborts them all."""
+        """Every choice's deltas as they come; leaving early (or being cancelled) aborts them all. A
+        choice that arrives finished (no room left in the context) never reaches the engine: it gets
+        its one finished delta first."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def feed(choice: Choice) -> None:
-            timer, unfinished = self.metrics.track(len(choice.ids)), "abort"  # cancelled: the client left
+            request_id, timer, unfinished = next(self.engine.ids), self.metrics.track(len(choice.ids)), "abort"
+            self.live[request_id] = choice.rid  # before generate() queues it, so an abort by rid finds it
             try:
-                async for delta in self.engine.generate(choice.ids, choice.params, cache_salt=choice.cache_salt):
+                generating = self.engine.generate(choice.ids, choice.params, request_id, cache_salt=choice.cache_salt)
+                async for delta in generating:
                     timer.on_delta(len(delta.token_ids), delta.finish_reason)
                     unfinished = None if delta.finished else unfinished
                     queue.put_nowait((choice, delta))
@@ -184,10 +241,14 @@ class Server:
                 unfinished = "error"
                 queue.put_nowait((choice, exc))
             finally:
+                del self.live[request_id]
                 if unfinished is not None:
                     timer.on_delta(0, unfinished)
 
-        tasks = [asyncio.create_task(feed(c)) for c in choices]
+        for choice in choices:
+            if choice.finish_reason is not None:
+                queue.put_nowait((choice, RequestDelta(-1, finished=True, finish_reason=choice.finish_reason)))
+        tasks = [asyncio.create_task(feed(c)) for c in choices if c.finish_reason is None]
         try:
             live = len(choices)
             while live:
@@ -198,13 +259,25 @@ class Server:
                 choice.token_ids += delta.token_ids
                 choice.logprobs += delta.logprobs or []
                 choice.cached_tokens, choice.weight_version = delta.cached_tokens, delta.weight_version
+                choice.weight_versions = delta.weight_versions
                 if delta.finished:
                     choice.finish_reason, live = delta.finish_reason, live - 1
-                    choice.routed_experts = delta.routed_experts
+                    choice.routed_experts, choice.matched = delta.routed_experts, delta.matched
                 yield choice, delta
         finally:
             for task in tasks:
                 task.cancel()
+
+    def abort(self, rid: str | None = None) -> None:
+        """End the running requests named `rid`, or every one (reason "abort"): each still answers,
+        with what it produced. A rid that is unknown or already finished changes nothing."""
+        for request_id, name in list(self.live.items()):
+            if rid is None or name == rid:
+                self.engine.abort(request_id)
+
+    def check_rid(self, rid: str, param: str) -> None:
+        if rid in self.live.values():
+            raise Refused(400, f"a request named {rid!r} is still running; request ids must be unique.", param)
 
     def usage(self, choices: list[Choice]) -> dict:
         prompt = sum(len(ids) for ids in {c.prompt_index: c.ids for c in choices}.values())
@@ -215,6 +288,14 @@ class Server:
             cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+    def routes(self, choice: Choice, start: int) -> np.ndarray:
+        """The experts `choice`'s tokens were routed to from position `start` on, as int32
+        [positions, MoE layers, top_k] (a position is a token the model read: prompt + output but
+        the last)."""
+        moe = [layer.moe for layer in self.inputs.config.layers if layer.moe is not None]
+        rows = choice.routed_experts[start:]
+        return np.asarray(rows, dtype=np.int32).reshape(len(rows), len(moe), moe[0].router.top_k)
 
     def token_text(self, token: int) -> str:
         tokenizer = self.inputs.tokenizer
@@ -370,6 +451,19 @@ class Server:
         await self.on_engine("sleep", level, mode == "abort")
         return {"is_sleeping": True}
 
+    async def wake_up(self, tags: list[str] | None) -> dict:
+        await self.on_engine("wake_up", tags)
+        return {"is_sleeping": self.engine.is_sleeping}
+
+    async def init_weights_group(self, body: InitWeightsGroupRequest) -> dict:
+        await self.on_engine("init_weights_update_group", *body.model_dump().values())
+        return {"success": True, "message": f"joined weights group {body.group_name!r}"}
+
+    async def pause_generation(self, mode: str) -> None:
+        """SGLang's in_place and retract keep the requests (retract frees their KV in SGLang; here
+        they keep it, and a weight update treats them as it treats any parked request)."""
+        await self.on_engine("pause_generation", SGLANG_PAUSE_MODES.get(mode, mode))
+
     async def update_weights(self, method: str, body: WeightUpdate, *args) -> dict:
         """Run the LLM's weight update `method(*args, weight_version, abort_running)`. No request
         mixes two sets of weights: with abort_all_requests those in flight are aborted; otherwise,
@@ -434,6 +528,10 @@ def add_error_handlers(app: FastAPI, key: str | None, max_request_bytes: int) ->
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused):
         return error_response(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(FieldError)
+    async def field_error(_: Request, exc: FieldError):
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError):
@@ -529,8 +627,10 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> FastAPI:
         return {"weight_version": (await server.on_engine("get_model_info"))["weight_version"]}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        """Frees the cached blocks now; correctness never needs it (keys carry the weights' version)."""
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False), body: ResetCacheRequest | None = None):
+        """Frees the cached blocks now; correctness never needs it (keys carry the weights' version).
+        vLLM's reset_running_requests (its query; SkyRL sends it in the body) is taken and changes
+        nothing: running requests keep their own blocks, and no later request can find them."""
         await server.on_engine("reset_prefix_cache")
         return {"success": True}
 
@@ -556,8 +656,7 @@ def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/wake_up")
     async def wake_up(tags: list[str] | None = Query(None)):
-        await server.on_engine("wake_up", tags)
-        return {"is_sleeping": engine.is_sleeping}
+        return await server.wake_up(tags)
 
     @app.get("/is_sleeping")
     async def is_sleeping():
@@ -581,8 +680,7 @@ def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitWeightsGroupRequest):
-        await server.on_engine("init_weights_update_group", *body.model_dump().values())
-        return {"success": True, "message": f"joined weights group {body.group_name!r}"}
+        return await server.init_weights_group(body)
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: UpdateFromDistributedRequest):
@@ -598,7 +696,7 @@ def add_lifecycle_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseRequest | None = None):
-        await server.on_engine("pause_generation", (body or PauseRequest()).mode)
+        await server.pause_generation((body or PauseRequest()).mode)
         return {"success": True, "paused": engine.readiness.paused}
 
     @app.post("/continue_generation")

@@ -32,6 +32,12 @@ def add_commands(registry: Registry) -> None:
         help="run the engine core in a process of its own, so no forward waits behind HTTP for the GIL "
              "(default: on, except under torchrun, where rank 0 is torchrun's process)",
     )
+    srv.add_argument(
+        "--kv-after-update", default="keep", choices=("keep", "recompute"),
+        help="a weight update while pause_generation(mode=keep) parks requests: keep their K/V (their token spans "
+             "say which weights sampled what), or recompute it under the new weights first (a request's "
+             "kv_after_update overrides it)",
+    )
     srv.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument(
         "--max-request-bytes", type=int, default=None,

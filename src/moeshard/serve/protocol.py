@@ -7,17 +7,29 @@ gets silently different sampling from what it asked for.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 TokenIds = list[int]
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int | None]:
+    """One per choice: a request's n choices are n requests, choice i seeded `seed + i`."""
+    return [None if seed is None else seed + i for i in range(n)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
+
+
+def stop_strings(stop: str | list[str] | None, param: str) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(stops):
+        raise FieldError(param, f"{param} strings must not be empty.")
+    return stops
 
 
 class Sampling(BaseModel):
@@ -40,24 +52,21 @@ class Sampling(BaseModel):
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: only requests with the same salt share cached blocks
     return_routed_experts: bool = False  # each choice gets `routed_experts` (SamplingParams.return_routed_experts)
     return_token_ids: bool = False  # vLLM's: each choice gets its `token_ids` and `prompt_token_ids`
-
-    def stops(self) -> tuple[str, ...]:
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not s for s in stops):
-            raise FieldError("stop", "stop strings must not be empty.")
-        return stops
+    stop_token_ids: list[int] | None = None  # vLLM's: sampling one of these ends the choice (reason stop)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"  # vLLM's (SamplingParams)
+    kv_after_update: Literal["keep", "recompute"] | None = None  # SamplingParams.kv_after_update
 
     def options(self, max_tokens: int, logprobs: int | None) -> dict:
         """SamplingParams fields for choice `index` 0 (the others shift the seed: see `seeds`)."""
         return dict(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), max_tokens=max_tokens,
-            stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            return_routed_experts=self.return_routed_experts,
+            stop=stop_strings(self.stop, "stop"), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            return_routed_experts=self.return_routed_experts, stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs_mode=self.logprobs_mode, kv_after_update=self.kv_after_update,
         )
 
     def seeds(self) -> list[int | None]:
-        """One per choice: a request's n choices are n requests, choice i seeded `seed + i`."""
-        return [None if self.seed is None else self.seed + i for i in range(self.n)]
+        return choice_seeds(self.seed, self.n)
 
     @property
     def include_usage(self) -> bool:
@@ -130,7 +139,9 @@ class UpdateFromDiskRequest(WeightUpdate):
 class InitWeightsGroupRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     master_address: str
-    master_port: int = Field(gt=0, lt=65536)
+    # AReaL sends the port as a string (areal/engine/sglang_remote.py: str(meta.nccl_master_port)); SGLang's
+    # pydantic body takes either.
+    master_port: int = Field(gt=0, lt=65536, strict=False)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     group_name: str = "weight_update_group"
@@ -158,7 +169,57 @@ class UpdateFromTensorRequest(WeightUpdate):
 
 class PauseRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    mode: Literal["abort", "wait", "keep"] = "abort"
+    # moeshard's modes, and SGLang's in_place and retract (io_struct.py PauseGenerationReqInput)
+    mode: Literal["abort", "wait", "keep", "in_place", "retract"] = "abort"
+
+
+class ResetCacheRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    reset_running_requests: bool = False
+
+
+class NullIsDefault(BaseModel):
+    """A body whose null fields take their defaults, as SGLang's and vLLM's own bodies do (their
+    clients send null for "not set"); `keep_null` names the fields where null means something else."""
+
+    keep_null: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def drop_nulls(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.keep_null}
+        return data
+
+
+class TokenSampling(NullIsDefault):
+    """The `sampling_params` fields SGLang's and vLLM's token-in/token-out bodies share, by name and
+    meaning (serve/sglang.py, serve/vllm.py); each adds its own names, defaults and no-ops."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    greedy_below: ClassVar[float]  # the peer samples greedily below this temperature
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int  # -1 (and vLLM's 0): no limit
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=128)
+    # moeshard's (vLLM's --logprobs-mode, per request here): logprobs of the raw logits, or after
+    # temperature, top-k and top-p
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    # moeshard's: after a weight update under a keep pause, keep this request's KV or recompute it
+    # (None: the server's --kv-after-update)
+    kv_after_update: Literal["keep", "recompute"] | None = None
+
+    def options(self, logprobs: int | None, routed: bool) -> dict:
+        """SamplingParams fields but max_tokens and seed."""
+        return dict(
+            temperature=0.0 if self.temperature < self.greedy_below else self.temperature, top_p=self.top_p,
+            top_k=max(self.top_k, 0), stop=stop_strings(self.stop, "sampling_params.stop"),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            logprobs_mode=self.logprobs_mode, kv_after_update=self.kv_after_update, return_routed_experts=routed,
+        )
 
 
 class FieldError(ValueError):
@@ -167,6 +228,24 @@ class FieldError(ValueError):
     def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
+
+
+def parse_fields(model: type[BaseModel], data: dict, prefix: str) -> BaseModel:
+    """`data` (a dict inside a body, e.g. sampling_params) as `model`, or a FieldError naming the
+    field at fault as `prefix.field`."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        param, message = validation_message(exc.errors())
+        raise FieldError(f"{prefix}.{param}" if param else prefix, f"{prefix}.{message}" if param else message) from None
+
+
+def refuse_unsupported(values: BaseModel, no_ops: dict[str, tuple], prefix: str = "") -> None:
+    """Fields this engine does not implement are taken only at a value that changes nothing."""
+    for name, accepted in no_ops.items():
+        if getattr(values, name) not in accepted:
+            param = f"{prefix}.{name}" if prefix else name
+            raise FieldError(param, f"{param} is not supported by this engine; it takes only {accepted[0]!r}.")
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
@@ -183,14 +262,17 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 
 def validation_message(errors: list[dict]) -> tuple[str | None, str]:
-    """The first validation error as (field, one sentence)."""
-    error = errors[0]
+    """The first validation error as (field, one sentence); a field the body should not have comes
+    first (another route's field, a typo), before the fields it then lacks."""
+    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     if error["type"] == "json_invalid":
         return None, "the request body is not valid JSON."
-    loc = [str(part) for part in error["loc"] if part != "body"]
+    loc = [str(part) for part in error["loc"] if part not in ("body", "query")]
     field = loc[0] if loc else None
     if error["type"] == "missing":
         return field, f"{'.'.join(loc)} is required."
+    if error["type"] == "extra_forbidden":
+        return field, f"{'.'.join(loc)} is not a field of this request."
     if len(loc) > 1 and not loc[1].isdigit():  # a union's branch: say the field, not the branch
         return field, f"{field} has the wrong type."
     message = error["msg"].removeprefix("Value error, ")

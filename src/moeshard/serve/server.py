@@ -21,9 +21,12 @@ import uvicorn
 
 from moeshard.engine import LLM
 from moeshard.engine.async_llm import AsyncLLM
+from moeshard.engine.engine_process import in_engine_process
 from moeshard.parallel import Layout
 from moeshard.parallel.launch import under_torchrun
 from moeshard.serve.app import ServeSettings, build_app, default_max_request_bytes
+from moeshard.serve.sglang import add_sglang_routes
+from moeshard.serve.vllm import add_vllm_routes
 
 BUNDLED_NAME = "moeshard-arithmetic"
 ENGINE_LOST_EXIT = 1
@@ -39,17 +42,21 @@ def serve_command(args: argparse.Namespace) -> int:
         compile=args.compile_backend if args.compile else False, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, batch_invariant=args.batch_invariant,
+        kv_after_update=args.kv_after_update,
     )
     own_process = args.engine_process if args.engine_process is not None else not under_torchrun()
     if own_process and under_torchrun():
         raise ValueError("--engine-process is not available under torchrun: rank 0's engine runs in torchrun's process.")
-    engine = AsyncLLM.in_engine_process(**options) if own_process else AsyncLLM.in_process(LLM(**options))
+    engine = in_engine_process(**options) if own_process else AsyncLLM.in_process(LLM(**options))
     try:
         name = args.served_model_name or args.model or BUNDLED_NAME
         max_bytes = args.max_request_bytes or default_max_request_bytes(engine.inputs.max_model_len)
         settings = ServeSettings(name, args.api_key, args.enable_sleep_mode, max_request_bytes=max_bytes)
+        app = build_app(engine, settings)
+        for add_profile in (add_sglang_routes, add_vllm_routes):  # the drop-in profiles (docs/serving.md)
+            add_profile(app, app.state.server)
         config = uvicorn.Config(
-            build_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level,
+            app, host=args.host, port=args.port, log_level=args.log_level,
             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
         )
         server = uvicorn.Server(config)
