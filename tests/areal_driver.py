@@ -15,6 +15,8 @@ import socket
 import sys
 from pathlib import Path
 
+from client_repl import serve  # first: it sends the frameworks' prints to stderr
+
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -24,7 +26,6 @@ from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig,
 from areal.engine.core.distributed import init_custom_process_group
 from areal.engine.sglang_remote import RemoteSGLangEngine
 from areal.utils import name_resolve, names
-from client_repl import serve
 
 EXPERIMENT, TRIAL = "moeshard", "clients"
 GEN_ALLOCATION = "sglang:d2"  # the server's 2 engine ranks, as AReaL counts inference ranks

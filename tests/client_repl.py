@@ -3,8 +3,9 @@ the frameworks' own venvs (.peers/, scripts/rl_clients.sh), so this imports noth
 
 One JSON object a line on stdin, `{"op": NAME, "args": {...}}`, answered by one JSON line on stdout:
 the op's result, or `{"error": ...}`. With `"task": ID` the op runs in the background and the answer
-is `{"started": ID}`; `{"op": "join", "task": ID}` later answers with its result. The libraries'
-own prints go to stderr, so stdout carries only the answers.
+is `{"started": ID}`; `{"op": "join", "task": ID}` later answers with its result. From the import of
+this module on, whatever else is printed (the frameworks log to stdout) goes to stderr, so stdout
+carries only the answers: drivers import it before the framework.
 """
 
 import asyncio
@@ -13,17 +14,18 @@ import os
 import sys
 import traceback
 
+ANSWERS = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
 
 def serve(ops: dict, close=None) -> None:
     """Answer requests for `ops` (name → async function of the request's args) until stdin closes,
     then await `close()` if given."""
-    answers = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # anything else printed goes to stderr
-    sys.stdout = sys.stderr
-    asyncio.run(loop(ops, answers, close))
+    asyncio.run(loop(ops, close))
 
 
-async def loop(ops: dict, answers, close) -> None:
+async def loop(ops: dict, close) -> None:
     tasks: dict[str, asyncio.Task] = {}
     while line := await asyncio.to_thread(sys.stdin.readline):
         request = json.loads(line)
@@ -34,7 +36,7 @@ async def loop(ops: dict, answers, close) -> None:
             answer = {"started": request["task"]}
         else:
             answer = await outcome(ops[request["op"]](**request.get("args", {})))
-        answers.write(json.dumps(answer) + "\n")
+        ANSWERS.write(json.dumps(answer) + "\n")
     if close is not None:
         await close()
 

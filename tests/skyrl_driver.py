@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
 
-from client_repl import serve
+from client_repl import serve  # first: it sends the frameworks' prints to stderr
 
 ROOT = Path(find_spec("skyrl").origin).parent  # finds the package without executing it
 for package in ("skyrl", "skyrl.backends", "skyrl.backends.skyrl_train", "skyrl.backends.skyrl_train.inference_servers"):
