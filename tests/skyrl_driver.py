@@ -58,9 +58,13 @@ class BroadcastInitInfo:
 
 def main(url: str, model: str) -> None:
     client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model)
+    # With routes, SkyRL's client calls its own server's /skyrl/v1/generate instead (client :479-483).
+    routing = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model,
+                                    enable_return_routed_experts=True)
 
-    async def generate(prompt_token_ids: list, sampling_params: dict) -> dict:
-        return dict(await client.generate({"prompt_token_ids": prompt_token_ids, "sampling_params": sampling_params}))
+    async def generate(prompt_token_ids: list, sampling_params: dict, routed_experts: bool = False) -> dict:
+        batch = {"prompt_token_ids": prompt_token_ids, "sampling_params": sampling_params}
+        return dict(await (routing if routed_experts else client).generate(batch))
 
     async def chat(body: dict) -> dict:
         return await client.chat_completion({"json": body})
@@ -90,8 +94,11 @@ def main(url: str, model: str) -> None:
         sent = json.loads(await proc.stdout.readline())
         return {"world_size": world_size + 1, "trainer": sent, "returncode": await proc.wait()}
 
-    serve({"generate": generate, "chat": chat, "tokenize": tokenize, "call": call, "sync_weights": sync_weights},
-          client.teardown)
+    async def close() -> None:
+        await client.teardown()
+        await routing.teardown()
+
+    serve({"generate": generate, "chat": chat, "tokenize": tokenize, "call": call, "sync_weights": sync_weights}, close)
 
 
 if __name__ == "__main__":

