@@ -5,7 +5,7 @@ driver (tests/skyrl_driver.py, tests/areal_driver.py) that answers JSON lines. E
 by its effect: tokens equal the in-process engine's on the same weights (one rank: layouts are
 proven equal elsewhere), or the server's own /v1/completions sent alone; after an update, the
 engine's on the new weights; parked requests make no progress until resumed, then finish as if
-never paused; a reset cache is missed; released memory leaves the server's processes.
+never paused; a reset cache is missed; memory released with the weights leaves the server's processes.
 """
 
 import json
@@ -134,11 +134,11 @@ def metric(server, name: str, **labels) -> float:
     return 0.0
 
 
-def once_decoding(server, before: float) -> float:
-    """Wait until a request sent after `before` generated tokens were counted is decoding."""
+def until(server, name: str, changed_from: float, **labels) -> float:
+    """Wait until a series of the server's /metrics moves from `changed_from`; its new value."""
     deadline = time.monotonic() + 20  # a request decodes within milliseconds; one refused never does
-    while (now := metric(server, "generation_tokens_total")) == before:
-        assert time.monotonic() < deadline, "no request started decoding"
+    while (now := metric(server, name, **labels)) == changed_from:
+        assert time.monotonic() < deadline, f"{name} stayed at {changed_from}"
         time.sleep(0.01)
     return now
 
@@ -171,9 +171,9 @@ def test_areal_pause_continue_resubmits_the_aborted_rollout(areal, server, engin
     aborted = metric(server, "request_success_total", finished_reason="abort")
     before = metric(server, "generation_tokens_total")
     areal.ask("generate", task="long", input_ids=ids, max_new_tokens=LONG, ignore_eos=True)
-    once_decoding(server, before)
+    until(server, "generation_tokens_total", before)  # decoding
     areal.ask("call", method="pause_generation")  # POST /pause_generation {} (sglang_remote.py:325-327)
-    assert metric(server, "request_success_total", finished_reason="abort") == aborted + 1
+    assert until(server, "request_success_total", aborted, finished_reason="abort") == aborted + 1
     paused = metric(server, "generation_tokens_total")
     time.sleep(0.5)
     assert metric(server, "generation_tokens_total") == paused  # the resubmission is held
@@ -203,12 +203,12 @@ def test_areal_weight_updates_and_memory(areal, server, engines, perturbed):  # 
     areal.ask("update_from_distributed", checkpoint=str(MODEL_DIR))  # /update_weights_from_distributed
     assert answers() == greedy(engines["bundled"], PROMPTS[8:10], 6)
 
-    awake = resident_mb(server.proc.pid)
     areal.ask("call", method="offload")  # POST /release_memory_occupation {} (sglang_remote.py:337-339)
-    weights_mb = (MODEL_DIR / "model.safetensors").stat().st_size / 2**20
-    assert resident_mb(server.proc.pid) < awake - weights_mb / 2
+    # This is sleep(level=1): on CPU the weights' backup is host memory too, so the process tree's
+    # resident memory cannot fall here (measured: within ±3 MiB); SkyRL's level-2 sleep shows the fall.
+    assert httpx.get(server.url + "/is_sleeping", timeout=TIMEOUT).json() == {"is_sleeping": True}
     areal.ask("call", method="onload")  # POST /resume_memory_occupation {} (:341-350)
-    assert answers() == greedy(engines["bundled"], PROMPTS[8:10], 6)
+    assert answers() == greedy(engines["bundled"], PROMPTS[8:10], 6)  # the weights came back
 
 
 # SkyRL: RemoteInferenceClient (skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py)
@@ -242,7 +242,7 @@ def test_skyrl_pause_keep_parks_requests_until_resume(server, skyrl, engines):
     ids = [engines["bundled"].encode(p) for p in PROMPTS[4:8]]
     before = metric(server, "generation_tokens_total")
     skyrl.ask("generate", task="long", prompt_token_ids=ids, sampling_params=skyrl_params(LONG, ignore_eos=True))
-    once_decoding(server, before)
+    until(server, "generation_tokens_total", before)  # decoding
     skyrl.ask("call", method="pause", mode="keep")  # POST /pause?mode=keep&clear_cache=false (client :990-1014)
     parked = metric(server, "generation_tokens_total")
     time.sleep(0.5)
@@ -275,7 +275,7 @@ def test_skyrl_colocated_weight_sync(server, skyrl, engines, perturbed):  # noqa
     awake = resident_mb(server.proc.pid)
     skyrl.ask("call", method="sleep")  # POST /sleep?level=2 (client :1028-1052)
     weights_mb = (MODEL_DIR / "model.safetensors").stat().st_size / 2**20
-    assert resident_mb(server.proc.pid) < awake - weights_mb / 2
+    assert resident_mb(server.proc.pid) < awake - weights_mb  # measured: about twice the weights' bytes
     skyrl.ask("call", method="wake_up", tags=["weights"])  # POST /wake_up?tags=weights (client :1054-1063)
     synced = skyrl.ask("sync_weights", trainer=[sys.executable, str(HERE / "vllm_trainer.py"), str(perturbed)])
     assert synced["world_size"] == 3 and synced["returncode"] == 0
