@@ -111,9 +111,8 @@ def run_bench_kernels(args) -> int:
     cases += [linear_case(r, 2048, 2048, dtype, args.repeats) for r in (1, 256)]
     cases += [experts_case(r, 32, 512, 256, 4, dtype, args.repeats) for r in (16, 64, 256, 1024)]
     cases += [experts_case(r, 128, 2048, 768, 8, dtype, args.repeats) for r in (8, 128, 512)]
-    table = Table(title=f"moeshard.kernels ({kernels.isa()} build) vs torch {args.dtype}, {args.threads} thread(s), per "
-                        "layer, layers' weights cycled "
-                        "(ratio: torch time / kernel time; median, lowest–highest)")
+    table = Table(title=f"moeshard.kernels ({kernels.isa()} build) vs torch {args.dtype}, {args.threads} thread(s), "
+                        "per layer, layers' weights cycled (ratio: torch time / kernel time; median, lowest–highest)")
     for column in ("case", "torch ms", "kernel ms", "ratio", "spread", "kernel GB/s", "kernel GF/s"):
         table.add_column(column, justify="right")
     for c in cases:

@@ -155,7 +155,8 @@ inline __m256i prefix8(int n) {  // lanes [0, n) of 8 all ones
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 inline vf keep(Mask m, vf a) {
-  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(prefix8(m))), _mm256_and_ps(a.hi, _mm256_castsi256_ps(prefix8(m - 8)))};
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(prefix8(m))),
+          _mm256_and_ps(a.hi, _mm256_castsi256_ps(prefix8(m - 8)))};
 }
 
 inline vf load(const float* p, Mask m) {
@@ -203,7 +204,8 @@ inline void store(at::BFloat16* p, vf v, Mask m) {
   std::memcpy(p, part, sizeof(uint16_t) * m);
 }
 inline vf round_bf16(vf v) {
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v.lo), 16)), _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v.hi), 16))};
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v.lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v.hi), 16))};
 }
 
 template <typename T>
