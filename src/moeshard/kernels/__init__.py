@@ -15,8 +15,8 @@ with the flags of the CPU's build (`FLAGS`, `isa`):
 - "avx512_bf16" (the CPU has AVX512-BF16): they serve bf16 and fp32, in every mode;
 - "avx2" (AVX2 + FMA, no AVX512-BF16: cpu.cpp's 16 lanes as two 256-bit halves; bits that differ from
   the AVX-512 build's, as deterministic and row-independent): they serve bf16 in every mode (1.4–4.9×
-  torch's bf16 ops there) and fp32 in batch-invariant mode only (about torch's fp32 speed, slower on
-  the dense products at decode: docs/perf.md), where nothing else keeps a row's bits;
+  torch's bf16 ops there) and fp32 in batch-invariant mode only, where nothing else keeps a row's bits
+  (no consistent gain over torch's fp32 ops, 0.6–0.9× on the larger dense products: docs/perf.md);
 - elsewhere, or with MOESHARD_CPU_KERNELS=0, nothing: the engine uses torch's ops and batch-invariant
   mode refuses to start. MOESHARD_CPU_KERNELS=avx2 takes the AVX2 build on an AVX512-BF16 CPU too.
 """
