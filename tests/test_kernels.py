@@ -3,6 +3,9 @@ AVX2 + FMA) against torch's ops, with the awkward shapes: one row, odd output co
 multiple of the vector width, experts with no rows, rows no expert computes, sliding windows,
 poisoned cache slots that no sequence owns."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,21 @@ def test_what_each_build_serves(monkeypatch):
     monkeypatch.setenv("MOESHARD_CPU_KERNELS", "yes")
     with pytest.raises(ValueError, match="MOESHARD_CPU_KERNELS must be 0, 1 or avx2"):
         kernels.isa()
+
+
+def test_a_killed_processs_build_lock_is_removed_not_waited_on():
+    """cpp_extension's `lock` file, as a process killed while it loaded the kernels leaves it: the next
+    process removes it (holding the build's flock, so no live process can own it) rather than wait on
+    it forever."""
+    lock = kernels.build_directory(kernels.isa()) / "lock"
+    lock.touch()
+    try:
+        result = subprocess.run([sys.executable, "-c", "from moeshard import kernels; assert kernels.built()"],
+                                capture_output=True, text=True, timeout=600)
+    finally:
+        left = lock.exists()
+        lock.unlink(missing_ok=True)
+    assert result.returncode == 0 and not left, result.stderr[-2000:]
 
 
 def test_bf16_outputs_round_to_nearest_even_as_torch_does():

@@ -23,12 +23,12 @@ with the flags of the CPU's build (`FLAGS`, `isa`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -44,7 +44,6 @@ FLAGS = {
     "avx512_bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"],
     "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],  # x86-64-v3's vector units: 16 lanes as two __m256
 }
-_STALE_LOCK_S = 600  # a build takes ~20 s
 log = logging.getLogger(__name__)
 
 
@@ -68,6 +67,43 @@ def isa() -> str | None:
     return "avx2" if setting == "avx2" else _cpu_isa()
 
 
+_SOURCE = Path(__file__).with_name("cpu.cpp").resolve()
+
+
+def build_directory(build: str) -> Path:
+    """Where `build` of this checkout's cpu.cpp is built: one directory per source file (its path too:
+    build.ninja names it, so two checkouts of one source sharing a directory would rebuild it in
+    turn), flags, torch and Python."""
+    from torch.utils import cpp_extension
+
+    built_by = f"{_SOURCE} {' '.join(FLAGS[build])} torch {torch.__version__} python {sys.version}"
+    digest = hashlib.sha256(_SOURCE.read_bytes() + built_by.encode()).hexdigest()[:16]
+    return Path(cpp_extension.get_default_build_root()) / f"moeshard_cpu_{digest}"
+
+
+@contextlib.contextmanager
+def _building(directory: Path):
+    """Holds `directory`'s flock while cpp_extension builds or loads there, one process at a time.
+
+    Every load, even of a built library, takes cpp_extension's `lock` file for a moment, and a
+    process killed meanwhile (a server stopped as it starts, a rank of a failed engine) leaves it
+    there: cpp_extension would then wait on it forever, in every later process. The flock is the
+    kernel's, released when its holder dies; whoever holds it knows a `lock` file left there is such
+    a dead process's, and removes it."""
+    import fcntl
+
+    with open(directory / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("moeshard: removing a killed process's kernel build lock (%s)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 @functools.cache
 def built() -> bool:
     """Whether the kernels run here (built on the first call, then cached on disk by cpp_extension)."""
@@ -76,21 +112,12 @@ def built() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    source, flags = Path(__file__).with_name("cpu.cpp"), FLAGS[build]
-    # One build directory per source, flags, torch and Python: two checkouts (or versions, or builds)
-    # never rebuild each other's library. A build lock older than any build is a killed build's:
-    # cpp_extension would wait on it forever.
-    built_by = f"{' '.join(flags)} torch {torch.__version__} python {sys.version}"
-    digest = hashlib.sha256(source.read_bytes() + built_by.encode()).hexdigest()[:16]
-    directory = Path(cpp_extension.get_default_build_root()) / f"moeshard_cpu_{digest}"
+    source, flags, directory = _SOURCE, FLAGS[build], build_directory(build)
     directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-        log.warning("moeshard: removing a stale kernel build lock (%s)", lock)
-        lock.unlink(missing_ok=True)
     try:
-        cpp_extension.load("moeshard_cpu", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=str(directory), is_python_module=False)
+        with _building(directory):
+            cpp_extension.load("moeshard_cpu", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                               build_directory=str(directory), is_python_module=False)
     except Exception as exc:  # no compiler, no ninja: serve with torch's ops rather than not at all
         log.warning("moeshard: the CPU kernels did not build (%s); using torch's ops", exc)
         return False
