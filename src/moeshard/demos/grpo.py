@@ -179,13 +179,18 @@ class Trainer:
 
     def step(self, rollout: Rollout) -> dict:
         """Check the gap on the rollout, then (if within tolerance) train on it."""
-        mask_NS = rollout.completion_NS
         with torch.no_grad():
             old_NS = self.logprobs(rollout)
-        report = logprob_gap(old_NS, rollout.engine_logprobs_NS, mask_NS)
+        report = logprob_gap(old_NS, rollout.engine_logprobs_NS, rollout.completion_NS)
         report["trained"] = report["max_abs_dlogprob"] <= self.config.tolerance
-        if not report["trained"]:
-            return report
+        if report["trained"]:
+            report.update(self.train(rollout, old_NS))
+        return report
+
+    def train(self, rollout: Rollout, old_NS: torch.Tensor) -> dict:
+        """Clipped policy-gradient steps on `rollout`, the ratio taken to `old_NS`: the logprobs of
+        the policy that sampled it."""
+        mask_NS = rollout.completion_NS
         losses, awake = [], memory.resident_mb()
         # A group whose completions all scored the same has advantage 0 and no gradient: its rows
         # are left out (as DAPO does), so they cost no compute and do not dilute the token average.
@@ -207,8 +212,8 @@ class Trainer:
         # While the engine runs, the trainer keeps only the weights and the optimizer's moments.
         self.optimizer.zero_grad(set_to_none=True)
         memory.return_memory_to_os()
-        report.update(loss=sum(losses) / max(1, len(losses)), taught=len(taught), rss_trainer_awake_mb=awake, rss_trainer_asleep_mb=memory.resident_mb())
-        return report
+        return dict(loss=sum(losses) / max(1, len(losses)), taught=len(taught), rss_trainer_awake_mb=awake,
+                    rss_trainer_asleep_mb=memory.resident_mb())
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """The weights under the checkpoint's names (transformers' own save-time conversion: per-expert
