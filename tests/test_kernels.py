@@ -1,6 +1,7 @@
-"""The CPU kernels (moeshard.kernels, bf16 and fp32) against torch's ops, with the awkward shapes: one row,
-odd output counts, inputs not a multiple of the vector width, experts with no rows, rows no expert
-computes, sliding windows, poisoned cache slots that no sequence owns."""
+"""The CPU kernels (moeshard.kernels, bf16 and fp32, on whichever build this CPU takes: AVX512-BF16 or
+AVX2 + FMA) against torch's ops, with the awkward shapes: one row, odd output counts, inputs not a
+multiple of the vector width, experts with no rows, rows no expert computes, sliding windows,
+poisoned cache slots that no sequence owns."""
 
 import pytest
 import torch
@@ -8,11 +9,50 @@ import torch.nn.functional as F
 
 from moeshard import kernels
 from moeshard.models import kv_cache
+from moeshard.runtime import invariance
 from moeshard.runtime.memory import fill_poison
 
 pytestmark = pytest.mark.skipif(
-    not kernels.serves(torch.empty(2, 2, dtype=torch.bfloat16)), reason="this CPU has no AVX512-BF16 (or no compiler)"
+    not kernels.built(), reason="no moeshard CPU kernels here: neither AVX512-BF16 nor AVX2 + FMA (or no compiler)"
 )
+
+
+@pytest.fixture(autouse=True)
+def batch_invariant_mode():
+    """Batch-invariant mode, where the modules run both dtypes on the kernels on either build (the
+    AVX2 build's default mode keeps torch's ops in fp32: test_what_each_build_serves)."""
+    before = invariance.batch_invariant()
+    invariance.set_batch_invariant(True)
+    yield
+    invariance.set_batch_invariant(before)
+
+
+def test_what_each_build_serves(monkeypatch):
+    both = (torch.bfloat16, torch.float32)
+    assert kernels.dtypes() == both  # batch-invariant mode: every dtype, every build
+    invariance.set_batch_invariant(False)
+    assert kernels.dtypes() == (both if kernels.isa() == "avx512_bf16" else both[:1])
+    assert not kernels.runs(torch.empty(2, 2, dtype=torch.float16))
+    monkeypatch.setenv("MOESHARD_CPU_KERNELS", "avx2")  # the portable build, asked for
+    assert kernels.isa() == "avx2"
+    monkeypatch.setenv("MOESHARD_CPU_KERNELS", "0")
+    assert kernels.isa() is None
+    monkeypatch.setenv("MOESHARD_CPU_KERNELS", "yes")
+    with pytest.raises(ValueError, match="MOESHARD_CPU_KERNELS must be 0, 1 or avx2"):
+        kernels.isa()
+
+
+def test_bf16_outputs_round_to_nearest_even_as_torch_does():
+    """Each output x[0]·1 + x[1]·1 is exact in fp32; its bf16 is torch's rounding of it, ties to even."""
+    tiny = 2.0**-8  # half of bf16's last place at 1: 1 + tiny is a tie
+    pairs = [(1.0, tiny), (1.0 + 2 * tiny, tiny), (-1.0, -tiny), (3.0, 0.75 * tiny), (1.0, 1.25 * tiny), (-0.0, 0.0)]
+    x = torch.tensor(pairs).bfloat16()
+    packed = kernels.pack(torch.ones(3, 2).bfloat16())
+    exact = kernels.linear(x, packed, 3, fp32_out=True)
+    assert torch.equal(exact[:, 0], x.float().sum(1))
+    got = kernels.linear(x, packed, 3)
+    assert torch.equal(got.view(torch.int16), exact.bfloat16().view(torch.int16))
+    assert got[:4, 0].tolist() == [1.0, 1.015625, -1.0, 3.0]  # two ties to even (one down, one up), two below half
 
 
 DTYPES = [torch.bfloat16, torch.float32]

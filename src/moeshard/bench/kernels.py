@@ -101,8 +101,9 @@ def experts_case(rows: int, experts: int, hidden: int, inter: int, top_k: int, d
 
 def run_bench_kernels(args) -> int:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    if not kernels.serves(torch.empty(2, 2, dtype=torch.bfloat16)):
-        console.print("moeshard: error: this CPU has no AVX512-BF16 (or the kernels did not build): nothing to compare.")
+    if not kernels.built():
+        console.print("moeshard: error: this CPU has neither AVX512-BF16 nor AVX2 + FMA (or the kernels did not "
+                      "build): nothing to compare.")
         return 2
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -110,8 +111,8 @@ def run_bench_kernels(args) -> int:
     cases += [linear_case(r, 2048, 2048, dtype, args.repeats) for r in (1, 256)]
     cases += [experts_case(r, 32, 512, 256, 4, dtype, args.repeats) for r in (16, 64, 256, 1024)]
     cases += [experts_case(r, 128, 2048, 768, 8, dtype, args.repeats) for r in (8, 128, 512)]
-    table = Table(title=f"moeshard.kernels vs torch {args.dtype}, {args.threads} thread(s), per layer, layers' weights cycled "
-                        "(ratio: torch time / kernel time; median, lowest–highest)")
+    table = Table(title=f"moeshard.kernels ({kernels.isa()} build) vs torch {args.dtype}, {args.threads} thread(s), "
+                        "per layer, layers' weights cycled (ratio: torch time / kernel time; median, lowest–highest)")
     for column in ("case", "torch ms", "kernel ms", "ratio", "spread", "kernel GB/s", "kernel GF/s"):
         table.add_column(column, justify="right")
     for c in cases:

@@ -104,8 +104,8 @@ def check_batch_invariant() -> None:
     """Batch-invariant mode runs every product on moeshard's CPU kernels: refuse it where they do not run."""
     if not kernels.built():
         raise ValueError(
-            "batch-invariant mode needs moeshard's CPU kernels: an x86 CPU with AVX512-BF16, a C++ compiler, "
-            "and MOESHARD_CPU_KERNELS not set to 0."
+            "batch-invariant mode needs moeshard's CPU kernels: an x86 CPU with AVX512-BF16 or AVX2 + FMA, a C++ "
+            "compiler, and MOESHARD_CPU_KERNELS not set to 0."
         )
 
 

@@ -1,5 +1,5 @@
-"""GEMMs on the CPU's AVX-512 units (bf16 on AVX512-BF16, fp32 on FMA), over weights prepacked
-once, and attention over the paged cache (cpu.cpp).
+"""GEMMs on the CPU's vector units over weights prepacked once (bf16 and fp32), and attention over
+the paged cache, RMSNorm and rotary (cpu.cpp): on AVX512-BF16, or on AVX2 + FMA (x86-64-v3).
 
 Why a kernel of our own (measured on the 2-core development CPU, one thread, docs/perf.md): torch's
 bf16 `F.linear` reads a weight at 5–8 GB/s at decode sizes (M = 1–8 rows), and `F.grouped_mm` on
@@ -7,11 +7,18 @@ the CPU loops over experts one `mm` at a time (in bf16 and fp32); this kernel st
 memory bandwidth at M = 1 and reaches oneDNN's throughput from M ≈ 64. Its prepacked weights are
 derived tensors (runtime.derived): computed from the weights, rebuilt after every load, update and
 wake, released by sleep. Every output element is accumulated over the inputs in one fixed order, so
-a row's result does not depend on the other rows of the batch.
+a row's result does not depend on the other rows of the batch: batch-invariant mode
+(runtime.invariance) runs every product on these kernels, and refuses to start where they do not run.
 
-The kernel is built on first use with torch's cpp_extension (~20 s, then cached). It runs where the
-CPU has AVX512-BF16 (fp32 too: one build, one set of flags); elsewhere, or with
-MOESHARD_CPU_KERNELS=0, the engine uses torch's ops.
+The kernels are built on first use with torch's cpp_extension (~20 s, then cached), one source
+with the flags of the CPU's build (`FLAGS`, `isa`):
+- "avx512_bf16" (the CPU has AVX512-BF16): they serve bf16 and fp32, in every mode;
+- "avx2" (AVX2 + FMA, no AVX512-BF16: cpu.cpp's 16 lanes as two 256-bit halves; bits that differ from
+  the AVX-512 build's, as deterministic and row-independent): they serve bf16 in every mode (1.4–4.9×
+  torch's bf16 ops there) and fp32 in batch-invariant mode only, where nothing else keeps a row's bits
+  (no consistent gain over torch's fp32 ops, 0.6–0.9× on the larger dense products: docs/perf.md);
+- elsewhere, or with MOESHARD_CPU_KERNELS=0, nothing: the engine uses torch's ops and batch-invariant
+  mode refuses to start. MOESHARD_CPU_KERNELS=avx2 takes the AVX2 build on an AVX512-BF16 CPU too.
 """
 
 from __future__ import annotations
@@ -31,24 +38,49 @@ from torch import nn
 from moeshard.runtime import derived, invariance
 
 PANEL = 64  # outputs per packed panel (four vectors of 16)
+# One source, two builds (cpu.cpp picks its vector layer from the target the flags give the compiler).
 # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it they run on one thread.
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+FLAGS = {
+    "avx512_bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],  # x86-64-v3's vector units: 16 lanes as two __m256
+}
 _STALE_LOCK_S = 600  # a build takes ~20 s
 log = logging.getLogger(__name__)
 
 
 @functools.cache
+def _cpu_isa() -> str | None:
+    """The best build this CPU runs: "avx512_bf16" (AVX512-BF16), "avx2" (AVX2 and FMA: torch's
+    "AVX2" capability, or its "AVX512", which has both), or None (another CPU)."""
+    if torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16"
+    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
+
+
+def isa() -> str | None:
+    """The build the kernels use here: the CPU's (`_cpu_isa`); None with MOESHARD_CPU_KERNELS=0;
+    "avx2" with MOESHARD_CPU_KERNELS=avx2 on a CPU that has AVX2 (the portable build, on any x86-64-v3 CPU)."""
+    setting = os.environ.get("MOESHARD_CPU_KERNELS", "1")
+    if setting not in ("0", "1", "avx2"):
+        raise ValueError(f"MOESHARD_CPU_KERNELS must be 0, 1 or avx2, got {setting!r}.")
+    if setting == "0" or _cpu_isa() is None:
+        return None
+    return "avx2" if setting == "avx2" else _cpu_isa()
+
+
+@functools.cache
 def built() -> bool:
     """Whether the kernels run here (built on the first call, then cached on disk by cpp_extension)."""
-    if os.environ.get("MOESHARD_CPU_KERNELS", "1") == "0" or not torch.cpu._is_avx512_bf16_supported():
+    build = isa()
+    if build is None:
         return False
     from torch.utils import cpp_extension
 
-    source = Path(__file__).with_name("cpu.cpp")
-    # One build directory per source, flags, torch and Python: two checkouts (or versions) never rebuild each
-    # other's library. A build lock older than any build is a killed build's: cpp_extension would
-    # wait on it forever.
-    built_by = f"{' '.join(_FLAGS)} torch {torch.__version__} python {sys.version}"
+    source, flags = Path(__file__).with_name("cpu.cpp"), FLAGS[build]
+    # One build directory per source, flags, torch and Python: two checkouts (or versions, or builds)
+    # never rebuild each other's library. A build lock older than any build is a killed build's:
+    # cpp_extension would wait on it forever.
+    built_by = f"{' '.join(flags)} torch {torch.__version__} python {sys.version}"
     digest = hashlib.sha256(source.read_bytes() + built_by.encode()).hexdigest()[:16]
     directory = Path(cpp_extension.get_default_build_root()) / f"moeshard_cpu_{digest}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -57,7 +89,7 @@ def built() -> bool:
         log.warning("moeshard: removing a stale kernel build lock (%s)", lock)
         lock.unlink(missing_ok=True)
     try:
-        cpp_extension.load("moeshard_cpu", [str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+        cpp_extension.load("moeshard_cpu", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(directory), is_python_module=False)
     except Exception as exc:  # no compiler, no ninja: serve with torch's ops rather than not at all
         log.warning("moeshard: the CPU kernels did not build (%s); using torch's ops", exc)
@@ -79,9 +111,19 @@ def _step(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.bfloat16 else 1
 
 
+def dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes the engine runs on the kernels (CPU tensors): bf16 and fp32 where they are built;
+    on the AVX2 build fp32 only in batch-invariant mode (see the module's docstring)."""
+    if not built():
+        return ()
+    if isa() == "avx512_bf16" or invariance.batch_invariant():
+        return (torch.bfloat16, torch.float32)
+    return (torch.bfloat16,)
+
+
 def runs(t: torch.Tensor) -> bool:
-    """Whether the kernels take tensors like `t`: bf16 or fp32 on the CPU, on a CPU that has them."""
-    return t.dtype in (torch.bfloat16, torch.float32) and t.device.type == "cpu" and built()
+    """Whether the engine runs tensors like `t` on the kernels: a CPU tensor of one of `dtypes()`."""
+    return t.device.type == "cpu" and t.dtype in dtypes()
 
 
 def serves(weight: torch.Tensor) -> bool:

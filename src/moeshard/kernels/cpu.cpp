@@ -1,12 +1,19 @@
-// GEMMs on x86 CPUs with AVX-512 (bf16 on AVX512-BF16, fp32 on FMA), for weights prepacked once.
+// GEMMs on x86 CPUs for weights prepacked once (bf16 and fp32), attention over the paged cache,
+// RMSNorm and rotary: on AVX512-BF16, or on AVX2 + FMA (x86-64-v3) through the same source.
 //
 // A packed weight of N outputs and K inputs is [ceil(N/64), K/s, 64, s]: panels of 64 outputs, and
 // within a panel, for each step of s inputs, the step's values for the 64 outputs (four 64-byte
-// vectors). A bf16 step is an input pair (s = 2): `vdpbf16ps` adds x[k]·w[k] + x[k+1]·w[k+1] to 16
-// fp32 accumulators at once; an fp32 step is one input (s = 1, `vfmadd`). Either way no horizontal
-// sums, and a register tile reads its panel as one sequential stream. Each output element is
+// blocks of 16 outputs). A bf16 step is an input pair (s = 2): `vdpbf16ps` adds x[k]·w[k] +
+// x[k+1]·w[k+1] to 16 fp32 accumulators at once (on AVX2: the k products, then the k+1 products,
+// two fused multiply-adds); an fp32 step is one input (s = 1, `vfmadd`). Either way no horizontal
+// sums, and a register tile as wide as a panel reads it as one sequential stream. Each output element is
 // accumulated over its steps in order, whatever the tile, the thread split or the number of rows in
 // the call: a row's result never depends on the rest of the batch.
+//
+// The kernels are written once against a 16-lane fp32 vector (`vf`, below): one __m512 where the
+// compiler targets AVX512-BF16, two __m256 where it targets AVX2 + FMA (moeshard.kernels.built picks
+// the flags from the CPU). The two builds need not agree bit for bit (vdpbf16ps need not round as two
+// fused multiply-adds do; vcvtneps2bf16 flushes denormals); each is deterministic and row-independent.
 //
 // Shape letters: M rows of activations, N outputs, K inputs (P = K/s steps), L local experts,
 // D hidden, I intermediate (padded to a multiple of 32 in packed form).
@@ -18,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -26,8 +34,43 @@
 namespace {
 
 constexpr int64_t kLanes = 16;     // outputs per vector ("block")
-constexpr int64_t kMaxRows = 6;    // rows per register tile
-constexpr int64_t kMaxBlocks = 4;  // blocks per panel and per register tile: 6 × 4 accumulators
+constexpr int64_t kMaxBlocks = 4;  // blocks per panel, and at most per register tile
+constexpr int64_t kMaxRows = 6;    // rows per register tile, at most
+
+// ---- The vector layer: 16 fp32 lanes, and masks that keep a prefix of them -------------------
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+
+using vf = __m512;
+using Mask = __mmask16;
+constexpr Mask kAll = 0xFFFF;
+inline Mask lanes_below(int64_t n) { return n >= kLanes ? kAll : n <= 0 ? Mask(0) : Mask((1u << n) - 1u); }
+
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float a) { return _mm512_set1_ps(a); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a·b + c
+inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c − a·b
+inline vf fmsub(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }    // a·b − c
+inline vf round_even(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+inline vf scalef(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p · 2ⁿ, n integral
+inline float reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf keep(Mask m, vf a) { return _mm512_maskz_mov_ps(m, a); }  // masked-off lanes zero
+
+inline vf load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline vf load(const at::BFloat16* p, Mask m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store(float* p, vf v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store(at::BFloat16* p, vf v, Mask m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline vf round_bf16(vf v) {  // v rounded to bf16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
 
 // What the weights' element type T decides: inputs per step, and how one step is accumulated.
 template <typename T>
@@ -43,17 +86,189 @@ struct Step<at::BFloat16> {
     std::memcpy(&pair, row + 2 * p, sizeof pair);
     return (__m512bh)_mm512_set1_epi32(pair);
   }
-  static __m512 add(__m512 acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
+  static vf add(vf acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
 };
 
 template <>
 struct Step<float> {
   static constexpr int64_t kInputs = 1;
-  using Vec = __m512;
+  using Vec = vf;
   static Vec weights(const float* w) { return _mm512_loadu_ps(w); }
-  static Vec inputs(const float* row, int64_t p) { return _mm512_set1_ps(row[p]); }
-  static __m512 add(__m512 acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static Vec inputs(const float* row, int64_t p) { return set1(row[p]); }
+  static vf add(vf acc, Vec x, Vec w) { return fmadd(x, w, acc); }
 };
+
+// Register tiles (32 vector registers): up to 6 rows × a whole panel, 24 accumulators.
+struct Shape {
+  int64_t rows, blocks;
+};
+// The tile for the next rows (`left` of them), at least `min_blocks` wide.
+template <typename T>
+inline Shape tile_shape(int64_t left, int64_t /*min_blocks*/) { return {std::min(kMaxRows, left), kMaxBlocks}; }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// Two __m256: lanes 0–7, 8–15. Every operation is the AVX2 one on each half; the horizontal sum
+// and the bf16 conversions are spelled out, each in one fixed order.
+struct vf {
+  __m256 lo, hi;
+};
+using Mask = int;  // lanes [0, n) of 16
+constexpr Mask kAll = 16;
+inline Mask lanes_below(int64_t n) { return Mask(std::clamp<int64_t>(n, 0, kLanes)); }
+
+#define MOESHARD_HALVES(name, op) \
+  inline vf name(vf a, vf b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+MOESHARD_HALVES(add, _mm256_add_ps)
+MOESHARD_HALVES(sub, _mm256_sub_ps)
+MOESHARD_HALVES(mul, _mm256_mul_ps)
+MOESHARD_HALVES(div, _mm256_div_ps)
+MOESHARD_HALVES(max, _mm256_max_ps)
+MOESHARD_HALVES(min, _mm256_min_ps)
+#undef MOESHARD_HALVES
+inline vf zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline vf fmadd(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf fnmadd(vf a, vf b, vf c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf fmsub(vf a, vf b, vf c) { return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)}; }
+inline vf round_even(vf a) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode)};
+}
+inline __m256 pow2(__m256i n) {  // 2ⁿ for integral n in [−126, 127]: the exponent field
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+inline __m256 scalef(__m256 p, __m256 n) {
+  // p · 2ⁿ as vscalefps gives it, for integral n in [−252, 254] (exp_ps's): 2ⁿ in two exact
+  // factors, so only the last product rounds.
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(half)), pow2(_mm256_sub_epi32(ni, half)));
+}
+inline vf scalef(vf p, vf n) { return {scalef(p.lo, n.lo), scalef(p.hi, n.hi)}; }
+inline float reduce_add(vf a) {  // ((lo + hi) as 8, then 4, 2, 1): one fixed order
+  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline __m256i prefix8(int n) {  // lanes [0, n) of 8 all ones
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf keep(Mask m, vf a) {
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(prefix8(m))),
+          _mm256_and_ps(a.hi, _mm256_castsi256_ps(prefix8(m - 8)))};
+}
+
+inline vf load(const float* p, Mask m) {
+  if (m == kAll) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  return {_mm256_maskload_ps(p, prefix8(m)), _mm256_maskload_ps(p + 8, prefix8(m - 8))};  // no access past lane m
+}
+inline void store(float* p, vf v, Mask m) {
+  if (m == kAll) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+    return;
+  }
+  _mm256_maskstore_ps(p, prefix8(m), v.lo);
+  _mm256_maskstore_ps(p + 8, prefix8(m - 8), v.hi);
+}
+inline __m256 widen(__m128i bf16x8) {  // bf16 → fp32: the bits, 16 places up
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16x8), 16));
+}
+inline vf load(const at::BFloat16* p, Mask m) {
+  uint16_t part[kLanes] = {};
+  if (m != kAll) {  // no 16-bit masked loads on AVX2: the lanes present, through a zeroed copy
+    std::memcpy(part, p, sizeof(uint16_t) * m);
+    p = reinterpret_cast<const at::BFloat16*>(part);
+  }
+  return {widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+// fp32 → bf16 rounded to nearest even in integer ops, NaN → 0x7FC0: c10::BFloat16's rounding, so a
+// stored value equals torch's `.to(torch.bfloat16)`. In each 32-bit lane's low 16 bits.
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline void store(at::BFloat16* p, vf v, Mask m) {
+  // Pack lanes 0–7 and 8–15 to 16 bits (per 128-bit half, hence the permute back to lane order).
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(v.lo), bf16_bits(v.hi)), 0xD8);
+  if (m == kAll) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+    return;
+  }
+  uint16_t part[kLanes];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(part), packed);
+  std::memcpy(p, part, sizeof(uint16_t) * m);
+}
+inline vf round_bf16(vf v) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v.lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v.hi), 16))};
+}
+
+template <typename T>
+struct Step;
+
+// A bf16 step: 16 outputs' input pairs are 16 32-bit words, input k in the low half. The k products
+// are added first, then the k+1 products (two fused multiply-adds: vdpbf16ps's work, in an order of
+// our own).
+template <>
+struct Step<at::BFloat16> {
+  static constexpr int64_t kInputs = 2;
+  struct Vec {
+    vf first, second;
+  };
+  static __m256 low_halves(__m256i words) { return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)); }
+  static __m256 high_halves(__m256i words) {
+    return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+  }
+  static Vec weights(const at::BFloat16* w) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+    return {{low_halves(lo), low_halves(hi)}, {high_halves(lo), high_halves(hi)}};
+  }
+  static Vec inputs(const at::BFloat16* row, int64_t p) {
+    uint32_t pair, first, second;
+    std::memcpy(&pair, row + 2 * p, sizeof pair);
+    first = pair << 16;
+    second = pair & 0xFFFF0000u;
+    float a, b;
+    std::memcpy(&a, &first, sizeof a);
+    std::memcpy(&b, &second, sizeof b);
+    return {set1(a), set1(b)};
+  }
+  static vf add(vf acc, const Vec& x, const Vec& w) { return fmadd(x.second, w.second, fmadd(x.first, w.first, acc)); }
+};
+
+template <>
+struct Step<float> {
+  static constexpr int64_t kInputs = 1;
+  using Vec = vf;
+  static Vec weights(const float* w) { return {_mm256_loadu_ps(w), _mm256_loadu_ps(w + 8)}; }
+  static Vec inputs(const float* row, int64_t p) { return set1(row[p]); }
+  static vf add(vf acc, Vec x, Vec w) { return fmadd(x, w, acc); }
+};
+
+// Register tiles (16 vector registers): 1 row × a whole panel (the decode shape: the most
+// independent sums per weight byte read), 2 rows × 2 blocks, or one block for more rows: 4 in bf16
+// (a step's weights take 4 registers), 6 in fp32 (2), 12 accumulators.
+struct Shape {
+  int64_t rows, blocks;
+};
+template <typename T>
+inline Shape tile_shape(int64_t left, int64_t min_blocks) {
+  const int64_t blocks = std::max(min_blocks, left >= 3 ? int64_t(1) : left == 2 ? int64_t(2) : kMaxBlocks);
+  const int64_t one_block = std::is_same_v<T, float> ? 6 : 4;
+  return {std::min(left, blocks == 1 ? one_block : blocks == 2 ? int64_t(2) : int64_t(1)), blocks};
+}
+
+#else
+#error "moeshard's CPU kernels need AVX512-BF16 or AVX2 + FMA (see moeshard.kernels.built)"
+#endif
+
+// ---- The kernels ---------------------------------------------------------------------------
 
 // Elements of one step of a panel.
 template <typename T>
@@ -63,11 +278,11 @@ constexpr int64_t kPanelStep = kMaxBlocks * kLanes * Step<T>::kInputs;
 // The accumulators are locals, copied out once at the end: kept in registers whether or not the
 // compiler inlines the call.
 template <typename T, int MB, int NB>
-void tile(const T* x, int64_t ldx, const T* w, int64_t P, __m512 (&out)[kMaxRows][kMaxBlocks]) {
+void tile(const T* x, int64_t ldx, const T* w, int64_t P, vf (&out)[kMaxRows][kMaxBlocks]) {
   using S = Step<T>;
-  __m512 acc[MB][NB];
+  vf acc[MB][NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[i][j] = zero();
   for (int64_t p = 0; p < P; ++p) {
     typename S::Vec wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = S::weights(w + p * kPanelStep<T> + j * kLanes * S::kInputs);
@@ -81,7 +296,7 @@ void tile(const T* x, int64_t ldx, const T* w, int64_t P, __m512 (&out)[kMaxRows
 }
 
 template <typename T>
-using Tile = void (*)(const T*, int64_t, const T*, int64_t, __m512 (&)[kMaxRows][kMaxBlocks]);
+using Tile = void (*)(const T*, int64_t, const T*, int64_t, vf (&)[kMaxRows][kMaxBlocks]);
 
 // The register tile for mb rows (1…6) and nb blocks (1…4), chosen at run time.
 template <typename T>
@@ -93,65 +308,56 @@ Tile<T> tile_of(int64_t mb, int64_t nb) {
   return tiles[mb - 1][nb - 1];
 }
 
-inline void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
-inline void store(at::BFloat16* out, __m512 v, __mmask16 mask) {
-  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-inline __mmask16 lanes_below(int64_t n) {
-  return n >= kLanes ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u);
-}
-
 // Rows [0, M) times blocks [b0, b1) (b0 a panel's first) of a packed weight with N outputs; out is
 // [M, N] with stride ldo.
 template <typename T, typename Out>
 void gemm_blocks(const T* x, int64_t ldx, int64_t M, const T* w, int64_t P, int64_t N, Out* out, int64_t ldo,
                  int64_t b0, int64_t b1) {
-  __m512 acc[kMaxRows][kMaxBlocks];
+  vf acc[kMaxRows][kMaxBlocks];
   for (int64_t b = b0; b < b1; b += kMaxBlocks) {
-    const int64_t nb = std::min(kMaxBlocks, b1 - b);
+    const int64_t panel_blocks = std::min(kMaxBlocks, b1 - b);
     const T* wb = w + b / kMaxBlocks * P * kPanelStep<T>;
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const int64_t mb = std::min(kMaxRows, M - m);
-      tile_of<T>(mb, nb)(x + m * ldx, ldx, wb, P, acc);
-      for (int64_t i = 0; i < mb; ++i)
-        for (int64_t j = 0; j < nb; ++j) {
-          const int64_t n = (b + j) * kLanes;
-          store(out + (m + i) * ldo + n, acc[i][j], lanes_below(N - n));
-        }
+    for (int64_t m = 0, mb; m < M; m += mb) {
+      const Shape shape = tile_shape<T>(M - m, 1);
+      mb = shape.rows;
+      for (int64_t j0 = 0; j0 < panel_blocks; j0 += shape.blocks) {
+        const int64_t nb = std::min(shape.blocks, panel_blocks - j0);
+        tile_of<T>(mb, nb)(x + m * ldx, ldx, wb + j0 * kLanes * Step<T>::kInputs, P, acc);
+        for (int64_t i = 0; i < mb; ++i)
+          for (int64_t j = 0; j < nb; ++j) {
+            const int64_t n = (b + j0 + j) * kLanes;
+            store(out + (m + i) * ldo + n, acc[i][j], lanes_below(N - n));
+          }
+      }
     }
   }
 }
 
 // exp for the SwiGLU epilogue: Cody–Waite range reduction and a degree-6 polynomial (~1 ulp in fp32).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+inline vf exp_ps(vf x) {
+  x = max(min(x, set1(88.3762626647949f)), set1(-87.3365478515625f));
+  const vf n = round_even(mul(x, set1(1.44269504088896341f)));
+  vf r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  vf p = set1(1.9875691500E-4f);
+  p = fmadd(p, r, set1(1.3981999507E-3f));
+  p = fmadd(p, r, set1(8.3334519073E-3f));
+  p = fmadd(p, r, set1(4.1665795894E-2f));
+  p = fmadd(p, r, set1(1.6666665459E-1f));
+  p = fmadd(p, r, set1(5.0000001201E-1f));
+  p = fmadd(mul(p, r), r, add(r, set1(1.f)));
+  return scalef(p, n);
 }
 
 // h = silu(gate) * up as the unfused computation in T gives it: in bf16 each of gate, silu(gate)
 // and up is rounded to bf16 (as torch's bf16 ops would store them), in fp32 nothing is.
 template <typename T>
-inline __m512 swiglu_ps(__m512 gate, __m512 up) {
+inline vf swiglu_ps(vf gate, vf up) {
   constexpr bool kRound = std::is_same_v<T, at::BFloat16>;
   if constexpr (kRound) gate = round_bf16(gate);
-  __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-  if constexpr (kRound) return _mm512_mul_ps(round_bf16(silu), round_bf16(up));
-  return _mm512_mul_ps(silu, up);
+  const vf silu = div(gate, add(set1(1.f), exp_ps(sub(zero(), gate))));
+  if constexpr (kRound) return mul(round_bf16(silu), round_bf16(up));
+  return mul(silu, up);
 }
 
 // Rows [0, M) of one expert's gate/up (blocks interleaved: gate block c, then up block c) → h [M, Ip],
@@ -159,16 +365,20 @@ inline __m512 swiglu_ps(__m512 gate, __m512 up) {
 template <typename T>
 void gate_up_blocks(const T* x, int64_t ldx, int64_t M, const T* w13, int64_t P, T* h, int64_t Ip, int64_t c0,
                     int64_t c1) {
-  __m512 acc[kMaxRows][kMaxBlocks];
+  vf acc[kMaxRows][kMaxBlocks];
   for (int64_t c = c0; c < c1; c += 2) {
     const int64_t pairs = std::min<int64_t>(2, c1 - c);
     const T* wb = w13 + c / 2 * P * kPanelStep<T>;
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const int64_t mb = std::min(kMaxRows, M - m);
-      tile_of<T>(mb, 2 * pairs)(x + m * ldx, ldx, wb, P, acc);
-      for (int64_t i = 0; i < mb; ++i)
-        for (int64_t j = 0; j < pairs; ++j)
-          store(h + (m + i) * Ip + (c + j) * kLanes, swiglu_ps<T>(acc[i][2 * j], acc[i][2 * j + 1]), __mmask16(0xFFFF));
+    for (int64_t m = 0, mb; m < M; m += mb) {
+      const Shape shape = tile_shape<T>(M - m, 2);  // a tile holds both halves of its outputs
+      mb = shape.rows;
+      for (int64_t q0 = 0; q0 < pairs; q0 += shape.blocks / 2) {
+        const int64_t nq = std::min(shape.blocks / 2, pairs - q0);
+        tile_of<T>(mb, 2 * nq)(x + m * ldx, ldx, wb + 2 * q0 * kLanes * Step<T>::kInputs, P, acc);
+        for (int64_t i = 0; i < mb; ++i)
+          for (int64_t j = 0; j < nq; ++j)
+            store(h + (m + i) * Ip + (c + q0 + j) * kLanes, swiglu_ps<T>(acc[i][2 * j], acc[i][2 * j + 1]), kAll);
+      }
     }
   }
 }
@@ -281,16 +491,10 @@ at::Tensor grouped_swiglu(const at::Tensor& x_MD, const at::Tensor& w13, const a
   return y;
 }
 
-inline __m512 load_ps(const at::BFloat16* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-
-inline __m512 load_ps(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-
 // Loads 16 elements as fp32; all 16 where the row has them (no mask needed).
 template <bool Full, typename T>
-inline __m512 load_row(const T* p, int64_t left) {
-  return load_ps(p, Full ? __mmask16(0xFFFF) : lanes_below(left));
+inline vf load_row(const T* p, int64_t left) {
+  return load(p, Full ? kAll : lanes_below(left));
 }
 
 constexpr int64_t kAhead = 8;  // keys whose rows are prefetched ahead of use
@@ -317,12 +521,12 @@ inline void attend_row(const Q* const* q_heads, Q* const* out_heads, const C* k,
   const int64_t dv = DV ? DV : (d + kLanes - 1) / kLanes, ev = EV ? EV : (e + kLanes - 1) / kLanes;
   const int64_t n = pos + 1 - lo;
   scores.resize(HB * n);
-  __m512 top[HB];
-  for (int b = 0; b < HB; ++b) top[b] = _mm512_set1_ps(-INFINITY);
+  vf top[HB];
+  for (int b = 0; b < HB; ++b) top[b] = set1(-INFINITY);
   // Scores: the queries converted to fp32 once, each K row once for the HB heads.
-  __m512 q_r[HB][DV ? DV : 1];
-  std::unique_ptr<__m512[]> q_m(DV ? nullptr : new __m512[HB * dv]);
-  auto qv = [&](int b, int64_t c) -> __m512& { return DV ? q_r[b][c] : q_m[b * dv + c]; };
+  vf q_r[HB][DV ? DV : 1];
+  std::unique_ptr<vf[]> q_m(DV ? nullptr : new vf[HB * dv]);
+  auto qv = [&](int b, int64_t c) -> vf& { return DV ? q_r[b][c] : q_m[b * dv + c]; };
   for (int b = 0; b < HB; ++b)
     for (int64_t c = 0; c < dv; ++c) qv(b, c) = load_row<kFullD>(q_heads[b] + c * kLanes, d - c * kLanes);
   for (int64_t kp = lo; kp < std::min(lo + kAhead, pos + 1); ++kp) prefetch_row(k + slot[kp] * k_stride, d, _MM_HINT_T0);
@@ -332,54 +536,50 @@ inline void attend_row(const Q* const* q_heads, Q* const* out_heads, const C* k,
     if (kp + kAhead <= pos) prefetch_row(k + slot[kp + kAhead] * k_stride, d, _MM_HINT_T0);
     prefetch_row(v + slot[kp] * v_stride, e, _MM_HINT_T1);
     const C* kr = k + slot[kp] * k_stride;
-    __m512 dot[HB];
-    for (int b = 0; b < HB; ++b) dot[b] = _mm512_setzero_ps();
+    vf dot[HB];
+    for (int b = 0; b < HB; ++b) dot[b] = zero();
     for (int64_t c = 0; c < dv; ++c) {
-      const __m512 kc = load_row<kFullD>(kr + c * kLanes, d - c * kLanes);
-      for (int b = 0; b < HB; ++b) dot[b] = _mm512_fmadd_ps(qv(b, c), kc, dot[b]);
+      const vf kc = load_row<kFullD>(kr + c * kLanes, d - c * kLanes);
+      for (int b = 0; b < HB; ++b) dot[b] = fmadd(qv(b, c), kc, dot[b]);
     }
     for (int b = 0; b < HB; ++b) {
-      const float sc = _mm512_reduce_add_ps(dot[b]) * scale;
+      const float sc = reduce_add(dot[b]) * scale;
       scores[b * n + kp - lo] = sc;
-      top[b] = _mm512_max_ps(top[b], _mm512_set1_ps(sc));
+      top[b] = max(top[b], set1(sc));
     }
   }
   float inv[HB];
   for (int b = 0; b < HB; ++b) {
     float* sb = scores.data() + b * n;
-    __m512 sum = _mm512_setzero_ps();
+    vf sum = zero();
     for (int64_t j = 0; j < n; j += kLanes) {
-      const __mmask16 mask = lanes_below(n - j);
-      const __m512 ex = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sb + j), top[b]));
-      _mm512_mask_storeu_ps(sb + j, mask, ex);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, ex));
+      const Mask mask = lanes_below(n - j);
+      const vf ex = exp_ps(sub(load(sb + j, mask), top[b]));
+      store(sb + j, ex, mask);
+      sum = add(sum, keep(mask, ex));
     }
-    inv[b] = 1.f / _mm512_reduce_add_ps(sum);
+    inv[b] = 1.f / reduce_add(sum);
   }
   // Values: each V row converted once, added into every head's accumulators.
-  __m512 acc_r[HB][EV ? EV : 1];
-  std::unique_ptr<__m512[]> acc_m(EV ? nullptr : new __m512[HB * ev]);
-  auto acc = [&](int b, int64_t c) -> __m512& { return EV ? acc_r[b][c] : acc_m[b * ev + c]; };
+  vf acc_r[HB][EV ? EV : 1];
+  std::unique_ptr<vf[]> acc_m(EV ? nullptr : new vf[HB * ev]);
+  auto acc = [&](int b, int64_t c) -> vf& { return EV ? acc_r[b][c] : acc_m[b * ev + c]; };
   for (int b = 0; b < HB; ++b)
-    for (int64_t c = 0; c < ev; ++c) acc(b, c) = _mm512_setzero_ps();
+    for (int64_t c = 0; c < ev; ++c) acc(b, c) = zero();
   for (int64_t kp = lo; kp <= pos; ++kp) {
     if (kp + kAhead <= pos) prefetch_row(v + slot[kp + kAhead] * v_stride, e, _MM_HINT_T0);
     const C* vr = v + slot[kp] * v_stride;
-    __m512 p[HB];
-    for (int b = 0; b < HB; ++b) p[b] = _mm512_set1_ps(scores[b * n + kp - lo]);
+    vf p[HB];
+    for (int b = 0; b < HB; ++b) p[b] = set1(scores[b * n + kp - lo]);
     for (int64_t c = 0; c < ev; ++c) {
-      const __m512 vc = load_row<kFullE>(vr + c * kLanes, e - c * kLanes);
-      for (int b = 0; b < HB; ++b) acc(b, c) = _mm512_fmadd_ps(p[b], vc, acc(b, c));
+      const vf vc = load_row<kFullE>(vr + c * kLanes, e - c * kLanes);
+      for (int b = 0; b < HB; ++b) acc(b, c) = fmadd(p[b], vc, acc(b, c));
     }
   }
   for (int b = 0; b < HB; ++b)
     for (int64_t c = 0; c < ev; ++c) {
-      const __m512 o = _mm512_mul_ps(acc(b, c), _mm512_set1_ps(inv[b]));
-      const __mmask16 mask = lanes_below(e - c * kLanes);
-      if constexpr (std::is_same_v<Q, float>)
-        _mm512_mask_storeu_ps(out_heads[b] + c * kLanes, mask, o);
-      else
-        _mm256_mask_storeu_epi16(out_heads[b] + c * kLanes, mask, (__m256i)_mm512_cvtneps_pbh(o));
+      const vf o = mul(acc(b, c), set1(inv[b]));
+      store(out_heads[b] + c * kLanes, o, lanes_below(e - c * kLanes));
     }
 }
 
@@ -476,8 +676,8 @@ at::Tensor paged_attention(const at::Tensor& q_THd, const at::Tensor& k_SGd, con
 // each a dispatch and a new tensor): at decode sizes the chains, not the arithmetic, were the cost.
 
 template <typename T>
-inline __m512 load_as_stored(const float* p, __mmask16 mask) {  // a table value as a T op would see it
-  const __m512 v = _mm512_maskz_loadu_ps(mask, p);
+inline vf load_as_stored(const float* p, Mask mask) {  // a table value as a T op would see it
+  const vf v = load(p, mask);
   return std::is_same_v<T, at::BFloat16> ? round_bf16(v) : v;
 }
 
@@ -491,17 +691,17 @@ void rms_norm_impl(const at::Tensor& x_MD, const at::Tensor& w_D, double eps, at
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const T* xr = x + m * ldx;
-      __m512 sum = _mm512_setzero_ps();
+      vf sum = zero();
       for (int64_t c = 0; c < D; c += kLanes) {
-        const __m512 v = load_ps(xr + c, lanes_below(D - c));
-        sum = _mm512_fmadd_ps(v, v, sum);
+        const vf v = load(xr + c, lanes_below(D - c));
+        sum = fmadd(v, v, sum);
       }
-      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / float(D) + float(eps)));
+      const vf inv = set1(1.f / std::sqrt(reduce_add(sum) / float(D) + float(eps)));
       for (int64_t c = 0; c < D; c += kLanes) {
-        const __mmask16 mask = lanes_below(D - c);
-        __m512 normed = _mm512_mul_ps(load_ps(xr + c, mask), inv);
+        const Mask mask = lanes_below(D - c);
+        vf normed = mul(load(xr + c, mask), inv);
         if constexpr (std::is_same_v<T, at::BFloat16>) normed = round_bf16(normed);
-        store(y + m * D + c, _mm512_mul_ps(load_ps(w + c, mask), normed), mask);
+        store(y + m * D + c, mul(load(w + c, mask), normed), mask);
       }
     }
   });
@@ -545,12 +745,12 @@ void rotary_impl(const at::Tensor& x_THr, const at::Tensor& cos_Xr, const at::Te
         continue;
       }
       for (int64_t i = 0; i < half; i += kLanes) {
-        const __mmask16 mask = lanes_below(half - i);
-        const __m512 x1 = load_ps(xr + i, mask), x2 = load_ps(xr + half + i, mask);
-        const __m512 c1 = load_as_stored<T>(c + i, mask), s1 = load_as_stored<T>(s + i, mask);
-        const __m512 c2 = load_as_stored<T>(c + half + i, mask), s2 = load_as_stored<T>(s + half + i, mask);
-        store(yr + i, _mm512_fmsub_ps(x1, c1, _mm512_mul_ps(x2, s1)), mask);
-        store(yr + half + i, _mm512_fmadd_ps(x2, c2, _mm512_mul_ps(x1, s2)), mask);
+        const Mask mask = lanes_below(half - i);
+        const vf x1 = load(xr + i, mask), x2 = load(xr + half + i, mask);
+        const vf c1 = load_as_stored<T>(c + i, mask), s1 = load_as_stored<T>(s + i, mask);
+        const vf c2 = load_as_stored<T>(c + half + i, mask), s2 = load_as_stored<T>(s + half + i, mask);
+        store(yr + i, fmsub(x1, c1, mul(x2, s1)), mask);
+        store(yr + half + i, fmadd(x2, c2, mul(x1, s2)), mask);
       }
     }
   });

@@ -113,13 +113,14 @@ class Rotary(nn.Module):
     def __init__(self, rope: RopeConfig, max_positions: int, device: torch.device):
         super().__init__()
         self.interleaved = rope.interleaved
-        self.fused = device.type == "cpu" and kernels.built()  # see RMSNorm
+        self.fused_dtypes = kernels.dtypes() if device.type == "cpu" else ()  # see RMSNorm
+        self.fused = bool(self.fused_dtypes)
         for name, fn in (("cos_Xr", torch.cos), ("sin_Xr", torch.sin)):
             self.register_buffer(name, None, persistent=False)
             derived.register(self, name, functools.partial(rope_table, rope, max_positions, device, fn))
 
     def forward(self, x_THr: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        if self.fused and x_THr.dtype in (torch.bfloat16, torch.float32):
+        if self.fused and x_THr.dtype in self.fused_dtypes:
             return kernels.rotary(x_THr, self.cos_Xr, self.sin_Xr, positions_T, self.interleaved)
         cos = self.cos_Xr[positions_T].unsqueeze(1).to(x_THr.dtype)
         sin = self.sin_Xr[positions_T].unsqueeze(1).to(x_THr.dtype)
