@@ -127,21 +127,22 @@ def test_token_versions_cover_a_choice_once_in_order():
             token_versions(bad, 5 if bad[-1]["end"] == 5 else 6)
 
 
+@pytest.mark.parametrize("bitwise", [False, True], ids=["fp32", "batch-invariant"])
 @pytest.mark.parametrize("kv", ["keep", "recompute"])
-def test_each_version_span_is_checked_under_the_weights_that_sampled_it(kv):
+def test_each_version_span_is_checked_under_the_weights_that_sampled_it(kv, bitwise):
     """Requests parked by pause(keep) after 3 of their 6 tokens while the weights change (a moved
     copy of the trainer's): every token's engine logprob is the trainer's under the version that
-    sampled it — with keep, over the K/V the old weights wrote before the switch (a plain forward
-    under the new weights misses that: the negative control), with recompute, over K/V of the new
-    weights throughout."""
-    trainer = Trainer(str(WEAK_MODEL_DIR), GRPOConfig(), seed=0)
+    sampled it (to 1e-4; in batch-invariant mode exactly) — with keep, over the K/V the old weights
+    wrote before the switch (a plain forward under the new weights misses that: the negative
+    control), with recompute, over K/V of the new weights throughout."""
+    trainer = Trainer(str(WEAK_MODEL_DIR), GRPOConfig(batch_invariant=bitwise), seed=0)
     versions = Versions(trainer, kept=2)
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(torch.randn_like(p) * 0.005)
     versions.save(1)
     params = SamplingParams(**{**vars(GREEDY), "max_tokens": 6})
-    with LLM(str(WEAK_MODEL_DIR), dtype="float32", block_size=4, kv_after_update=kv) as llm:
+    with LLM(str(WEAK_MODEL_DIR), dtype="float32", block_size=4, kv_after_update=kv, batch_invariant=bitwise) as llm:
         prompts, core = [llm.encode(p) for p in PROMPTS], llm.core
         deltas = {core.add_request(ids, params): [] for ids in prompts}
         for step in range(params.max_tokens + 1):
@@ -161,7 +162,7 @@ def test_each_version_span_is_checked_under_the_weights_that_sampled_it(kv):
     engine_NS[sampled_NS >= 0] = torch.tensor([lp[t] for ds in deltas.values() for d in ds for t, lp in zip(d.token_ids, d.logprobs)])
     as_sampled_NS = versions.as_sampled(tokens_NS, sampled_NS, forward_NS, kv)
     for version in (0, 1):
-        assert logprob_gap(as_sampled_NS, engine_NS, sampled_NS == version)["max_abs_dlogprob"] <= GRPOConfig.tolerance
+        assert logprob_gap(as_sampled_NS, engine_NS, sampled_NS == version)["max_abs_dlogprob"] <= (0.0 if bitwise else 1e-4)
     if kv == "keep":
         plain_NS = versions.as_sampled(tokens_NS, sampled_NS, forward_NS, "recompute")
         assert logprob_gap(plain_NS, engine_NS, sampled_NS == 1)["max_abs_dlogprob"] > 1e-3

@@ -46,7 +46,7 @@ import torch
 from moeshard.bundled.arithmetic import ANSWER_TOKENS, Problem
 from moeshard.demos.common import LogprobGapError, RLOptions, StepRecord, reward, training_problems
 from moeshard.demos.disaggregated import Session, held_out_split, rollout_of, serving, train_loop, version_name, version_number
-from moeshard.demos.grpo import Trainer, logprob_gap
+from moeshard.demos.grpo import EngineMirror, Trainer, logprob_gap, sampled_lengths
 
 TRAINER_THREADS = 1
 
@@ -150,41 +150,48 @@ class Rollouts:
 
 class Versions:
     """The trainer's weights of the last few versions, and each sampled token's logprob recomputed
-    as the engine computed it (the module's docstring)."""
+    as the engine computed it (the module's docstring): with transformers, as the trainer computes
+    its own, or in batch-invariant mode with the engine's own code (EngineMirror), bit for bit."""
 
     def __init__(self, trainer: Trainer, kept: int):
         self.trainer, self.kept = trainer, kept
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
-        self.model = copy.deepcopy(trainer.model)  # holds one kept version's weights at a time
+        # one kept version's weights at a time
+        self.mirror = EngineMirror(trainer.model_dir) if trainer.mirror is not None else None
+        self.model = copy.deepcopy(trainer.model) if self.mirror is None else None
         self.loaded: int | None = None
         self.save(0)
 
     def save(self, version: int) -> None:
         """The trainer's weights as `version`; the oldest beyond `kept` are forgotten."""
-        self.weights[version] = {n: t.detach().clone() for n, t in self.trainer.model.state_dict().items()}
+        weights = self.trainer.model.state_dict() if self.mirror is None else self.trainer.checkpoint_weights()
+        self.weights[version] = {n: t.detach().clone() for n, t in weights.items()}
         for old in [v for v in self.weights if v <= version - self.kept]:
             del self.weights[old]
 
-    def at(self, version: int):
+    def load(self, version: int) -> None:
         if version not in self.weights:
             raise RuntimeError(f"the trainer no longer keeps version {version}'s weights (it keeps {sorted(self.weights)}).")
         if self.loaded != version:
-            self.model.load_state_dict(self.weights[version])
+            if self.mirror is None:
+                self.model.load_state_dict(self.weights[version])
+            else:
+                self.mirror.load(self.weights[version])
             self.loaded = version
-        return self.model
 
     @torch.no_grad()
-    def logprobs(self, tokens_NS: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Every token's logprob given the ones before it, each run of positions [start, end)
-        computed under its version over the K/V of the runs before it (position 0: 0)."""
+    def logprobs(self, tokens_NS: torch.Tensor, lengths_N: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Every token's logprob given the ones before it (through `lengths_N`), each run of
+        positions [start, end) computed under its version over the K/V of the runs before it."""
+        if self.mirror is not None:
+            return self.mirror.sampled_logprobs(tokens_NS, lengths_N, segments, self.load)
         from transformers import DynamicCache
 
         cache, logits = DynamicCache(), []
         for version, start, end in segments:
-            out = self.at(version)(input_ids=tokens_NS[:, start:end], cache=cache, use_cache=True)
-            logits.append(out.logits.float())
-        logits_NSV = torch.cat(logits, 1)
-        logprobs_NS = logits_NSV[:, :-1].log_softmax(-1).gather(-1, tokens_NS[:, 1:, None]).squeeze(-1)
+            self.load(version)
+            logits.append(self.model(input_ids=tokens_NS[:, start:end], cache=cache, use_cache=True).logits.float())
+        logprobs_NS = torch.cat(logits, 1)[:, :-1].log_softmax(-1).gather(-1, tokens_NS[:, 1:, None]).squeeze(-1)
         return torch.nn.functional.pad(logprobs_NS, (1, 0))
 
     def as_sampled(self, tokens_NS: torch.Tensor, sampled_NS: torch.Tensor, forward_NS: torch.Tensor, kv: str) -> torch.Tensor:
@@ -201,7 +208,7 @@ class Versions:
                     if version >= 0:
                         jobs.setdefault(((version, 0, tokens_NS.shape[1]),), []).append(i)
         for segments, rows in jobs.items():
-            logprobs_NS = self.logprobs(tokens_NS[rows], list(segments))
+            logprobs_NS = self.logprobs(tokens_NS[rows], sampled_lengths(sampled_NS[rows] >= 0), list(segments))
             # keep: every sampled token of these rows; recompute: the job's version's tokens
             mask_NS = sampled_NS[rows] >= 0 if kv == "keep" else sampled_NS[rows] == segments[0][0]
             out_NS[rows] = torch.where(mask_NS, logprobs_NS, out_NS[rows])

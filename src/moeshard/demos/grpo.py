@@ -92,19 +92,27 @@ class EngineMirror:
         self.runner = ModelRunner(load_model(model_dir, torch.float32), -(-max_rows // block_size), block_size)
 
     @torch.no_grad()
-    def sampled_logprobs(self, tokens_NS: torch.Tensor, lengths_N: torch.Tensor) -> torch.Tensor:
+    def sampled_logprobs(self, tokens_NS: torch.Tensor, lengths_N: torch.Tensor, segments=None,
+                         load=lambda version: None) -> torch.Tensor:
         """As `sampled_logprobs`, from the engine's computation: sequences in batches of up to
-        `max_rows` tokens, each its own blocks, every position's logits."""
+        `max_rows` tokens, each its own blocks, every position's logits. `segments`: runs of
+        positions [(version, start, end)] computed in turn, each under the weights `load(version)`
+        puts in place, over the K/V the runs before it wrote (default: one run, the weights held)."""
         from moeshard.models.runner import Chunk
 
+        segments = segments or [(None, 0, tokens_NS.shape[1])]
         out_NS = torch.zeros(tokens_NS.shape, dtype=torch.float32)
         blocks_total, batch, next_block = self.runner.num_blocks, [], 0
 
         def run() -> None:
-            logits = self.runner.run_chunks([chunk for _, chunk in batch], all_logits=True)
-            for (i, chunk), logits_SV in zip(batch, logits):
-                n = len(chunk.token_ids)
-                lp_S = logits_SV[:-1].log_softmax(-1).gather(-1, tokens_NS[i, 1:n, None]).squeeze(-1)
+            logits: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in batch}
+            for version, start, end in segments:
+                load(version)
+                chunks = [(i, Chunk(tokens_NS[i, start:min(end, n)].tolist(), start, blocks)) for i, n, blocks in batch if start < n]
+                for (i, _), logits_SV in zip(chunks, self.runner.run_chunks([c for _, c in chunks], all_logits=True)):
+                    logits[i].append(logits_SV)
+            for i, n, _ in batch:
+                lp_S = torch.cat(logits[i])[:-1].log_softmax(-1).gather(-1, tokens_NS[i, 1:n, None]).squeeze(-1)
                 out_NS[i, 1:n] = lp_S
             batch.clear()
 
@@ -113,7 +121,7 @@ class EngineMirror:
             if next_block + blocks > blocks_total:
                 run()
                 next_block = 0
-            batch.append((i, Chunk(tokens_NS[i, :n].tolist(), 0, list(range(next_block, next_block + blocks)))))
+            batch.append((i, n, list(range(next_block, next_block + blocks))))
             next_block += blocks
         if batch:
             run()
@@ -128,6 +136,11 @@ class EngineMirror:
         for part in model.parts():
             model.load_part(TensorDict(weights), part)
         derived.rebuild(model.derived_owners())
+
+
+def sampled_lengths(sampled_NS: torch.Tensor) -> torch.Tensor:
+    """Each row's length through its last sampled position (`sampled_NS`: bool)."""
+    return sampled_NS.cumsum(1).argmax(1) + 1
 
 
 def clipped_loss(logprobs_NS, old_NS, advantages_N, mask_NS, clip: float) -> torch.Tensor:
@@ -156,7 +169,7 @@ class Trainer:
 
         transformers.utils.logging.disable_progress_bar()  # the engine's console is the one the user reads
         torch.manual_seed(seed)
-        self.config = config
+        self.config, self.model_dir = config, model_dir
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.eval()  # no dropout: the logprobs must be the engine's
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -173,8 +186,7 @@ class Trainer:
         logprobs_NS = sampled_logprobs(self.model, tokens_NS)
         if self.mirror is None:
             return logprobs_NS
-        lengths_N = rollout.completion_NS[rows].cumsum(1).argmax(1) + 1  # through the last sampled token
-        exact_NS = self.mirror.sampled_logprobs(tokens_NS, lengths_N)
+        exact_NS = self.mirror.sampled_logprobs(tokens_NS, sampled_lengths(rollout.completion_NS[rows]))
         return logprobs_NS + (exact_NS - logprobs_NS).detach()
 
     def step(self, rollout: Rollout) -> dict:

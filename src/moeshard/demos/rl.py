@@ -370,9 +370,8 @@ def rl_command(args) -> int:
     given = {k: v for k, v in given.items() if v is not None}
     if given and not args.asynchronous:
         raise ValueError("--kv-after-update, --max-staleness and --rollout-capacity are options of --async.")
-    if args.asynchronous and (args.routing_replay or args.batch_invariant):
-        raise ValueError("--async takes neither --routing-replay nor --batch-invariant yet: its per-version gap check "
-                         "recomputes the logprobs with transformers, not with the engine's code.")
+    if args.asynchronous and args.routing_replay:
+        raise ValueError("--async does not take --routing-replay yet: its per-version gap check does not replay the routes.")
     asynchronous = AsyncOptions(**given)
     title = (
         f"GRPO on {options.layout.label()}{' (moeshard serve)' if args.disaggregated else ''}, {options.moe_comm}"
