@@ -10,11 +10,14 @@ import sys
 import pytest
 import torch
 
+from moeshard import LLM, SamplingParams
 from moeshard.bundled.arithmetic import VOCAB
+from moeshard.demos.asynchronous import AsyncOptions, Versions, run_async, token_versions, version_tensors
 from moeshard.demos.common import WEAK_MODEL_DIR, LogprobGapError, RLOptions
-from moeshard.demos.disaggregated import run_disaggregated
+from moeshard.demos.disaggregated import run_disaggregated, version_number
 from moeshard.demos.grpo import GRPOConfig, Rollout, Trainer, clipped_loss, group_advantages, logprob_gap, sampled_logprobs
 from moeshard.demos.rl import run_rl
+from test_inflight_updates import GREEDY, PROMPTS
 
 FEW = dict(steps=3, problems=4, group=4, eval_every=2, eval_problems=16)
 
@@ -97,6 +100,72 @@ def test_disaggregated_loop_syncs_weights_to_a_server_every_step(tmp_path):
     assert all(r.update_s > 0 for r in records[1:])
     assert all(r.routing_disagreement is not None and r.routing_disagreement < 0.01 for r in records[1:])
     assert [r.accuracy is not None for r in records] == [True, False, True, True]
+
+
+def test_async_loop_trains_on_stale_samples_within_the_bound_and_drops_the_rest(tmp_path):
+    """Rollouts run ahead of the trainer (3 steps' worth of groups out, the trainer slower than the
+    server): samples one version stale are trained on, each token's logprob checked against the
+    trainer's under the version that sampled it; groups two versions stale are dropped; each
+    weights sync pauses generation for that one update."""
+    options = RLOptions(steps=4, problems=2, group=4, eval_every=4, eval_problems=16)
+    records = run_async(options, AsyncOptions(max_staleness=1, capacity=6), tmp_path)
+    steps = records[1:]
+    assert [r.step for r in records] == [0, 1, 2, 3, 4] and records[-1].accuracy is not None
+    assert all(sum(r.staleness) == 8 and len(r.staleness) <= 2 for r in steps)  # P × G, none over the bound
+    assert sum(r.staleness[1] for r in steps if len(r.staleness) > 1) + sum(r.spanning for r in steps) > 0
+    assert sum(r.dropped for r in steps) > 0
+    gaps = [(r.step - 1 - version_number(v), gap) for r in steps for v, gap in r.version_gaps.items()]
+    assert all(gap <= GRPOConfig.tolerance for _, gap in gaps) and max(behind for behind, _ in gaps) == 1
+    assert all(0 < r.update_s <= r.pause_s for r in steps)
+
+
+def test_token_versions_cover_a_choice_once_in_order():
+    spans = [{"version": "default", "start": 0, "end": 2}, {"version": "step-3", "start": 2, "end": 5}]
+    assert token_versions(spans, 5) == [0, 0, 3, 3, 3]
+    for bad in (spans[:1], spans[::-1], [spans[0], {**spans[1], "start": 1}], [spans[1], {**spans[0], "start": 5, "end": 6}]):
+        with pytest.raises(RuntimeError, match="do not cover"):
+            token_versions(bad, 5 if bad[-1]["end"] == 5 else 6)
+
+
+@pytest.mark.parametrize("bitwise", [False, True], ids=["fp32", "batch-invariant"])
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_each_version_span_is_checked_under_the_weights_that_sampled_it(kv, bitwise):
+    """Requests parked by pause(keep) after 3 of their 6 tokens while the weights change (a moved
+    copy of the trainer's): every token's engine logprob is the trainer's under the version that
+    sampled it (to 1e-4; in batch-invariant mode exactly) — with keep, over the K/V the old weights
+    wrote before the switch (a plain forward under the new weights misses that: the negative
+    control), with recompute, over K/V of the new weights throughout."""
+    trainer = Trainer(str(WEAK_MODEL_DIR), GRPOConfig(batch_invariant=bitwise), seed=0)
+    versions = Versions(trainer, kept=2)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.005)
+    versions.save(1)
+    params = SamplingParams(**{**vars(GREEDY), "max_tokens": 6})
+    with LLM(str(WEAK_MODEL_DIR), dtype="float32", block_size=4, kv_after_update=kv, batch_invariant=bitwise) as llm:
+        prompts, core = [llm.encode(p) for p in PROMPTS], llm.core
+        deltas = {core.add_request(ids, params): [] for ids in prompts}
+        for step in range(params.max_tokens + 1):
+            if step == 3:
+                core.paused = "keep"
+                llm.update_weights(list(trainer.checkpoint_weights().items()), "step-1")
+                core.paused = None
+            for delta in core.step():
+                deltas[delta.request_id].append(delta)
+    outputs = [[t for d in ds for t in d.token_ids] for ds in deltas.values()]
+    assert all(len(out) == 6 for out in outputs)
+    tokens_NS = torch.tensor([ids + out for ids, out in zip(prompts, outputs)])  # all one length
+    samples = [(len(ids), token_versions(ds[-1].weight_versions, 6)) for ids, ds in zip(prompts, deltas.values())]
+    assert all(v == [0, 0, 0, 1, 1, 1] for _, v in samples)
+    sampled_NS, forward_NS = version_tensors(samples, tokens_NS.shape[1])
+    engine_NS = torch.zeros(tokens_NS.shape)
+    engine_NS[sampled_NS >= 0] = torch.tensor([lp[t] for ds in deltas.values() for d in ds for t, lp in zip(d.token_ids, d.logprobs)])
+    as_sampled_NS = versions.as_sampled(tokens_NS, sampled_NS, forward_NS, kv)
+    for version in (0, 1):
+        assert logprob_gap(as_sampled_NS, engine_NS, sampled_NS == version)["max_abs_dlogprob"] <= (0.0 if bitwise else 1e-4)
+    if kv == "keep":
+        plain_NS = versions.as_sampled(tokens_NS, sampled_NS, forward_NS, "recompute")
+        assert logprob_gap(plain_NS, engine_NS, sampled_NS == 1)["max_abs_dlogprob"] > 1e-3
 
 
 def test_negative_control_stops_at_the_first_step_after_a_wake(monkeypatch):

@@ -56,8 +56,16 @@ def add_commands(registry: Registry) -> None:
     )
     rlp.add_argument("--routing-replay", action="store_true",
                      help="with --disaggregated: the trainer's routers take the experts the engine chose (R3)")
+    rlp.add_argument("--async", dest="asynchronous", action="store_true",
+                     help="with --disaggregated: rollouts never wait for a training step; weights sent under pause(keep) (docs/rl.md)")
+    rlp.add_argument("--kv-after-update", choices=("keep", "recompute"), default=None,
+                     help="with --async: the parked requests' K/V at an update (default: keep)")
+    rlp.add_argument("--max-staleness", type=int, default=None,
+                     help="with --async: drop a group with a sample more than N versions behind the trainer (default: 1)")
+    rlp.add_argument("--rollout-capacity", type=int, default=None, metavar="GROUPS",
+                     help="with --async: groups sent and not yet taken by the trainer (default: --problems)")
     rlp.add_argument("--json", metavar="PATH", help="one object per step")
-    rlp.add_argument("--plot", metavar="PNG", help="reward, accuracy and |Δ logprob| against step")
+    rlp.add_argument("--plot", metavar="PNG", help="reward, accuracy and |Δ logprob| against step (--async: against time, and staleness)")
     rlp.set_defaults(run=lazy("moeshard.demos.rl", "rl_command"))
 
 

@@ -1,5 +1,5 @@
-"""What both `moeshard rl` loops share, the colocated one (rl.py) and the disaggregated one
-(disaggregated.py): their options, a step's record, the task's reward and training problems, and
+"""What the `moeshard rl` loops share, the colocated one (rl.py) and the disaggregated ones
+(disaggregated.py, asynchronous.py): their options, a step's record, the task's reward and training problems, and
 the trainer's step behind its logprob check.
 """
 
@@ -53,6 +53,7 @@ class StepRecord:
     max_abs_dlogprob: float | None = None  # engine vs trainer on this step's sampled tokens
     mean_abs_dlogprob: float | None = None
     max_ratio_deviation: float | None = None  # max |exp(trainer − engine) − 1|: the importance ratio's error
+    rollout_tokens: int | None = None  # completion tokens the server sampled for this step (async: since the step before)
     rollout_tok_s: float | None = None
     sleep_s: float | None = None
     update_s: float | None = None
@@ -64,6 +65,13 @@ class StepRecord:
     rss_trainer_asleep_mb: float | None = None
     engine_held_mb: float | None = None  # the engine's weights, derived tensors and KV cache, all ranks
     routing_disagreement: float | None = None  # with routing replay: share of (token, MoE layer) the trainer would route otherwise
+    # The asynchronous loop (--async) only:
+    pause_s: float | None = None  # generation paused around this step's weights sync (pause → continue answered)
+    idle_s: float | None = None  # time since the step before with no rollout in flight (every slot out: sent, not taken)
+    staleness: list[int] | None = None  # trained samples by how many versions their oldest token is behind: [0, 1, …]
+    dropped: int | None = None  # samples over the staleness bound, not trained on
+    spanning: int | None = None  # trained samples whose tokens came from two versions or more
+    version_gaps: dict[str, float] | None = None  # max |Δ logprob| per version, over the tokens that version sampled
     elapsed_s: float = 0.0
 
 

@@ -21,6 +21,8 @@ import itertools
 import os
 import random
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -30,6 +32,7 @@ from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, exact_matches, 
 from moeshard.demos.common import RLOptions, StepRecord, reward, train_on, training_problems
 from moeshard.demos.grpo import Rollout, Trainer, group_advantages
 from moeshard.demos.remote import RemoteEngine
+from moeshard.engine.core import INITIAL_VERSION
 from moeshard.serve.launcher import free_port, running, serve_command
 
 SERVER_THREADS = 2  # OMP threads of the server's process (each rank then runs 1)
@@ -117,17 +120,42 @@ def server_flags(options: RLOptions) -> tuple[str, ...]:
     )
 
 
+def version_name(step: int) -> str:
+    """The weights after `step` (0: the server's own) as the loop names them to the server."""
+    return INITIAL_VERSION if step == 0 else f"step-{step}"
+
+
+def version_number(name: str) -> int:
+    return 0 if name == INITIAL_VERSION else int(name.removeprefix("step-"))
+
+
+@contextmanager
+def serving(options: RLOptions, log_dir: Path, *flags: str) -> Iterator[str]:
+    """A `moeshard serve` for the loop (server_flags, then `flags`), its base URL while the block runs."""
+    port = free_port()
+    command = serve_command(str(options.model), port, max(options.per_group, 16), "float32", (*server_flags(options), *flags))
+    env = {**os.environ, "OMP_NUM_THREADS": str(SERVER_THREADS)}
+    with running("moeshard", command, env, port, log_dir / "moeshard-serve.log"):
+        yield f"http://127.0.0.1:{port}"
+
+
 class Session:
     """The trainer's side of the loop: the server's address, the weights group, the current version."""
 
-    def __init__(self, base: str, trainer: Trainer, options: RLOptions, replay: bool):
+    def __init__(self, base: str, trainer: Trainer, options: RLOptions, replay: bool = False):
         # the model's name on the server: moeshard serve names it by its --model
         self.model, self.trainer, self.options, self.replay = str(options.model), trainer, options, replay
         self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
         self.remote = RemoteEngine(base)
         self.remote.join_weights_group(free_port())
-        self.version = "default"
+        self.version = version_name(0)
         self.replay_shape = (len(trainer.replay.routers), trainer.replay.routers[0].top_k) if replay else (0, 0)  # Y, K
+
+    def sampling(self, seed: int) -> dict:
+        """The completion options of a rollout: G samples a prompt at temperature 1, seeded from
+        `seed`, with their token ids and logprobs (and routed experts, to replay)."""
+        return dict(n=self.options.group, temperature=1.0, logprobs=0, seed=seed,
+                    extra_body={"return_token_ids": True, "return_routed_experts": self.replay})
 
     def completions(self, problems, step: int, **options) -> list:
         """The server's choices for `problems`, in order, each checked to come from `self.version`."""
@@ -144,14 +172,27 @@ class Session:
         choices = self.completions(problems, step, temperature=0)
         return exact_matches([c.text for c in choices], problems) / len(problems)
 
+    def send_weights(self, step: int, pause: bool = False) -> tuple[float, float | None]:
+        """The trainer's weights to the server as version `step-N`: the update's seconds, and with
+        `pause` the seconds generation stood still around it — pause(keep) parks the requests in
+        flight, which go on under the new weights once generation continues."""
+        weights = self.trainer.checkpoint_weights()  # before the pause: it is the trainer's work
+        version, t0 = version_name(step), time.perf_counter()
+        if pause:
+            self.remote.call("/pause_generation", {"mode": "keep"})
+        try:
+            _, update_s = self.remote.send_weights(weights, version)
+        finally:
+            if pause:
+                self.remote.call("/continue_generation")
+        self.version = version
+        return update_s, time.perf_counter() - t0 if pause else None
+
     def step(self, step: int, problems) -> StepRecord:
         """Rollouts from the server, the gap check and training, then the new weights to the server."""
         group, trainer = self.options.group, self.trainer
         t0 = time.perf_counter()
-        choices = self.completions(
-            problems, step, n=group, temperature=1.0, logprobs=0, seed=(self.options.seed * 1_000_003 + step) * group,
-            extra_body={"return_token_ids": True, "return_routed_experts": self.replay},
-        )
+        choices = self.completions(problems, step, **self.sampling((self.options.seed * 1_000_003 + step) * group))
         rollout_s = time.perf_counter() - t0
         if self.replay and any(getattr(c, "routed_experts", None) is None for c in choices):
             raise RuntimeError(f"step {step}: the server returned no routed_experts to replay.")
@@ -160,12 +201,12 @@ class Session:
         if self.replay:
             trainer.routed_NSYK, trainer.replay.disagreed, trainer.replay.compared = routed_NSYK, 0, 0
         report, train_s = train_on(trainer, rollout, step, self.options.grpo.tolerance)
-        self.version = f"step-{step}"
-        _, sync_s = self.remote.send_weights(trainer.checkpoint_weights(), self.version)
+        update_s, _ = self.send_weights(step)
+        tokens = int(rollout.completion_NS.sum())
         return StepRecord(
             step=step, reward_mean=sum(rewards) / len(rewards), max_abs_dlogprob=report["max_abs_dlogprob"],
             mean_abs_dlogprob=report["mean_abs_dlogprob"], max_ratio_deviation=report["max_ratio_deviation"],
-            rollout_tok_s=int(rollout.completion_NS.sum()) / rollout_s, update_s=sync_s, train_s=train_s,
+            rollout_tokens=tokens, rollout_tok_s=tokens / rollout_s, update_s=update_s, train_s=train_s,
             routing_disagreement=trainer.replay.disagreement() if self.replay else None,
         )
 
@@ -174,30 +215,43 @@ class Session:
         self.remote.close()
 
 
+def held_out_split(options: RLOptions) -> tuple[list, set[str]]:
+    """The held-out problems accuracy is measured on, and every held-out prompt (never trained on)."""
+    held = held_out(HELD_OUT)
+    return held[: options.eval_problems], {p.prompt for p in held}
+
+
+def train_loop(session: Session, options: RLOptions, step_fn: Callable[[int], StepRecord], start: float,
+               on_step=lambda record: None, begin=lambda: None) -> list[StepRecord]:
+    """Step 0's accuracy, `begin()`, then `step_fn(step)` until `options.steps` or the time budget,
+    with the held-out accuracy every `eval_every` steps and after the last; one record per step."""
+    eval_set, _ = held_out_split(options)
+    records = [StepRecord(0, accuracy=session.accuracy(eval_set, 0))]
+    begin()
+    records[0].elapsed_s = time.monotonic() - start  # the steps' clock starts here
+    on_step(records[0])
+    budget_end = time.monotonic() + options.minutes * 60
+    for step in itertools.count(1):
+        record = step_fn(step)
+        last = step == options.steps or time.monotonic() >= budget_end
+        if step % options.eval_every == 0 or last:
+            record.accuracy = session.accuracy(eval_set, step)
+        record.elapsed_s = time.monotonic() - start
+        records.append(record)
+        on_step(record)
+        if last:
+            return records
+
+
 def run_disaggregated(options: RLOptions, replay: bool, log_dir: Path, on_step=lambda record: None) -> list[StepRecord]:
     """The loop against a `moeshard serve` it starts; one record per step (step 0: the start)."""
     start = time.monotonic()
-    held = held_out(HELD_OUT)
-    eval_set, excluded = held[: options.eval_problems], {p.prompt for p in held}
+    _, excluded = held_out_split(options)
     rng = random.Random(options.seed)
     trainer = (ReplayTrainer if replay else Trainer)(str(options.model), options.grpo, options.seed)
-    max_num_seqs, port = max(options.per_group, 16), free_port()
-    command = serve_command(str(options.model), port, max_num_seqs, "float32", server_flags(options))
-    env = {**os.environ, "OMP_NUM_THREADS": str(SERVER_THREADS)}
-    with running("moeshard", command, env, port, log_dir / "moeshard-serve.log"):
-        session = Session(f"http://127.0.0.1:{port}", trainer, options, replay)
-        records = [StepRecord(0, accuracy=session.accuracy(eval_set, 0))]
-        on_step(records[0])
-        budget_end = time.monotonic() + options.minutes * 60
-        for step in itertools.count(1):
-            record = session.step(step, training_problems(rng, options.problems, excluded))
-            last = step == options.steps or time.monotonic() >= budget_end
-            if step % options.eval_every == 0 or last:
-                record.accuracy = session.accuracy(eval_set, step)
-            record.elapsed_s = time.monotonic() - start
-            records.append(record)
-            on_step(record)
-            if last:
-                break
+    with serving(options, log_dir) as base:
+        session = Session(base, trainer, options, replay)
+        records = train_loop(session, options, lambda step: session.step(step, training_problems(rng, options.problems, excluded)),
+                             start, on_step)
         session.close()
     return records

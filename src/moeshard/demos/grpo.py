@@ -92,19 +92,27 @@ class EngineMirror:
         self.runner = ModelRunner(load_model(model_dir, torch.float32), -(-max_rows // block_size), block_size)
 
     @torch.no_grad()
-    def sampled_logprobs(self, tokens_NS: torch.Tensor, lengths_N: torch.Tensor) -> torch.Tensor:
+    def sampled_logprobs(self, tokens_NS: torch.Tensor, lengths_N: torch.Tensor, segments=None,
+                         load=lambda version: None) -> torch.Tensor:
         """As `sampled_logprobs`, from the engine's computation: sequences in batches of up to
-        `max_rows` tokens, each its own blocks, every position's logits."""
+        `max_rows` tokens, each its own blocks, every position's logits. `segments`: runs of
+        positions [(version, start, end)] computed in turn, each under the weights `load(version)`
+        puts in place, over the K/V the runs before it wrote (default: one run, the weights held)."""
         from moeshard.models.runner import Chunk
 
+        segments = segments or [(None, 0, tokens_NS.shape[1])]
         out_NS = torch.zeros(tokens_NS.shape, dtype=torch.float32)
         blocks_total, batch, next_block = self.runner.num_blocks, [], 0
 
         def run() -> None:
-            logits = self.runner.run_chunks([chunk for _, chunk in batch], all_logits=True)
-            for (i, chunk), logits_SV in zip(batch, logits):
-                n = len(chunk.token_ids)
-                lp_S = logits_SV[:-1].log_softmax(-1).gather(-1, tokens_NS[i, 1:n, None]).squeeze(-1)
+            logits: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in batch}
+            for version, start, end in segments:
+                load(version)
+                chunks = [(i, Chunk(tokens_NS[i, start:min(end, n)].tolist(), start, blocks)) for i, n, blocks in batch if start < n]
+                for (i, _), logits_SV in zip(chunks, self.runner.run_chunks([c for _, c in chunks], all_logits=True)):
+                    logits[i].append(logits_SV)
+            for i, n, _ in batch:
+                lp_S = torch.cat(logits[i])[:-1].log_softmax(-1).gather(-1, tokens_NS[i, 1:n, None]).squeeze(-1)
                 out_NS[i, 1:n] = lp_S
             batch.clear()
 
@@ -113,7 +121,7 @@ class EngineMirror:
             if next_block + blocks > blocks_total:
                 run()
                 next_block = 0
-            batch.append((i, Chunk(tokens_NS[i, :n].tolist(), 0, list(range(next_block, next_block + blocks)))))
+            batch.append((i, n, list(range(next_block, next_block + blocks))))
             next_block += blocks
         if batch:
             run()
@@ -128,6 +136,11 @@ class EngineMirror:
         for part in model.parts():
             model.load_part(TensorDict(weights), part)
         derived.rebuild(model.derived_owners())
+
+
+def sampled_lengths(sampled_NS: torch.Tensor) -> torch.Tensor:
+    """Each row's length through its last sampled position (`sampled_NS`: bool)."""
+    return sampled_NS.cumsum(1).argmax(1) + 1
 
 
 def clipped_loss(logprobs_NS, old_NS, advantages_N, mask_NS, clip: float) -> torch.Tensor:
@@ -156,7 +169,7 @@ class Trainer:
 
         transformers.utils.logging.disable_progress_bar()  # the engine's console is the one the user reads
         torch.manual_seed(seed)
-        self.config = config
+        self.config, self.model_dir = config, model_dir
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.eval()  # no dropout: the logprobs must be the engine's
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -173,19 +186,23 @@ class Trainer:
         logprobs_NS = sampled_logprobs(self.model, tokens_NS)
         if self.mirror is None:
             return logprobs_NS
-        lengths_N = rollout.completion_NS[rows].cumsum(1).argmax(1) + 1  # through the last sampled token
-        exact_NS = self.mirror.sampled_logprobs(tokens_NS, lengths_N)
+        exact_NS = self.mirror.sampled_logprobs(tokens_NS, sampled_lengths(rollout.completion_NS[rows]))
         return logprobs_NS + (exact_NS - logprobs_NS).detach()
 
     def step(self, rollout: Rollout) -> dict:
         """Check the gap on the rollout, then (if within tolerance) train on it."""
-        mask_NS = rollout.completion_NS
         with torch.no_grad():
             old_NS = self.logprobs(rollout)
-        report = logprob_gap(old_NS, rollout.engine_logprobs_NS, mask_NS)
+        report = logprob_gap(old_NS, rollout.engine_logprobs_NS, rollout.completion_NS)
         report["trained"] = report["max_abs_dlogprob"] <= self.config.tolerance
-        if not report["trained"]:
-            return report
+        if report["trained"]:
+            report.update(self.train(rollout, old_NS))
+        return report
+
+    def train(self, rollout: Rollout, old_NS: torch.Tensor) -> dict:
+        """Clipped policy-gradient steps on `rollout`, the ratio taken to `old_NS`: the logprobs of
+        the policy that sampled it."""
+        mask_NS = rollout.completion_NS
         losses, awake = [], memory.resident_mb()
         # A group whose completions all scored the same has advantage 0 and no gradient: its rows
         # are left out (as DAPO does), so they cost no compute and do not dilute the token average.
@@ -207,8 +224,8 @@ class Trainer:
         # While the engine runs, the trainer keeps only the weights and the optimizer's moments.
         self.optimizer.zero_grad(set_to_none=True)
         memory.return_memory_to_os()
-        report.update(loss=sum(losses) / max(1, len(losses)), taught=len(taught), rss_trainer_awake_mb=awake, rss_trainer_asleep_mb=memory.resident_mb())
-        return report
+        return dict(loss=sum(losses) / max(1, len(losses)), taught=len(taught), rss_trainer_awake_mb=awake,
+                    rss_trainer_asleep_mb=memory.resident_mb())
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """The weights under the checkpoint's names (transformers' own save-time conversion: per-expert

@@ -32,7 +32,8 @@ import torch
 
 from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, Problem, exact_matches, held_out
 from moeshard.demos.common import WEAK_MODEL_DIR, LogprobGapError, RLOptions, StepRecord, reward, train_on, training_problems
-from moeshard.demos.disaggregated import run_disaggregated
+from moeshard.demos.asynchronous import AsyncOptions, run_async
+from moeshard.demos.disaggregated import run_disaggregated, version_number
 from moeshard.demos.grpo import GRPOConfig, Rollout, group_advantages, receive_weights, serve_trainer
 from moeshard.engine import LLM, SamplingParams
 from moeshard.parallel import Layout
@@ -183,6 +184,7 @@ def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, r
         max_abs_dlogprob=report["max_abs_dlogprob"],
         mean_abs_dlogprob=report["mean_abs_dlogprob"],
         max_ratio_deviation=report["max_ratio_deviation"],
+        rollout_tokens=int(rollout.completion_NS.sum()),
         rollout_tok_s=int(rollout.completion_NS.sum()) / rollout_s,
         sleep_s=sleep_s,
         update_s=update_s,
@@ -211,7 +213,11 @@ def summary(records: list[StepRecord]) -> dict:
         "median_update_s": median([r.update_s for r in steps]),
         "max_update_s": max(r.update_s for r in steps),
         "elapsed_s": records[-1].elapsed_s,
+        # what the server sampled for rollouts, per second of the steps (step 1 to the last)
+        "loop_rollout_tok_s": sum(r.rollout_tokens for r in steps) / (records[-1].elapsed_s - records[0].elapsed_s),
     }
+    if steps[0].pause_s is not None:
+        out.update(async_figures(steps))
     if steps[0].rss_engine_asleep_mb is not None:  # colocated: what the engine released asleep
         # From step 2 on, the KV cache has been written whole (a poisoned wake touches every page);
         # before, untouched zero pages of a fresh cache are not resident and cannot be released.
@@ -219,6 +225,57 @@ def summary(records: list[StepRecord]) -> dict:
         out["min_engine_drop_mb"] = min(r.rss_engine_awake_mb - r.rss_engine_asleep_mb for r in after_wake)
         out["engine_held_mb"] = records[0].engine_held_mb
     return out
+
+
+def async_figures(steps: list[StepRecord]) -> dict:
+    """The async loop's figures: pauses, staleness of the trained samples (share 0, 1, … versions
+    behind), dropped share, and the worst |Δ logprob| of the tokens sampled k versions behind."""
+    trained = [sum(r.staleness[k] for r in steps if k < len(r.staleness)) for k in range(max(len(r.staleness) for r in steps))]
+    dropped = sum(r.dropped for r in steps)
+    gaps: dict[int, float] = {}
+    for r in steps:
+        for version, gap in r.version_gaps.items():
+            behind = r.step - 1 - version_number(version)
+            gaps[behind] = max(gaps.get(behind, 0.0), gap)
+    return {
+        "median_pause_s": median([r.pause_s for r in steps]),
+        "max_pause_s": max(r.pause_s for r in steps),
+        "staleness_share": [n / sum(trained) for n in trained],
+        "dropped_share": dropped / (dropped + sum(trained)),
+        "spanning_share": sum(r.spanning for r in steps) / sum(trained),
+        "max_abs_dlogprob_by_staleness": [gaps.get(k, 0.0) for k in range(max(gaps) + 1)],
+    }
+
+
+def plot_async(records: list[StepRecord], path: str, title: str) -> None:
+    """Reward and held-out accuracy against time; each step's samples by staleness, and the dropped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r.step > 0]
+    measured = [r for r in records if r.accuracy is not None]
+    minutes = [r.elapsed_s / 60 for r in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    top.plot(minutes, [r.reward_mean for r in steps], lw=0.8, alpha=0.6, label="mean reward (rollouts, T=1)")
+    top.plot([r.elapsed_s / 60 for r in measured], [r.accuracy for r in measured], "o-", label="held-out greedy accuracy")
+    top.set_ylabel("exact match")
+    top.set_ylim(0, 1)
+    top.legend(loc="lower right")
+    top.set_title(title, fontsize="small")
+    depth = max(len(r.staleness) for r in steps)
+    totals = [sum(r.staleness) + r.dropped for r in steps]
+    shares = [[(r.staleness[k] if k < len(r.staleness) else 0) / t for r, t in zip(steps, totals)] for k in range(depth)]
+    labels = [f"trained, {k} version{'' if k == 1 else 's'} stale" for k in range(depth)]
+    bottom.stackplot(minutes, *shares, [r.dropped / t for r, t in zip(steps, totals)], labels=[*labels, "dropped (too stale)"], alpha=0.8)
+    bottom.set_ylim(0, 1)
+    bottom.set_ylabel("share of the samples a step took")
+    bottom.set_xlabel("minutes")
+    bottom.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> None:
@@ -253,18 +310,24 @@ def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> 
 
 def step_table(records: list[StepRecord], title: str, disaggregated: bool):
     """The measured steps: colocated, with the sleep + update + wake seconds and each side's resident
-    MiB awake → asleep; disaggregated, with the weights' sync seconds."""
+    MiB awake → asleep; disaggregated, with the weights' sync seconds (async: the pause around it,
+    and the step's samples by staleness, and dropped)."""
     from rich.table import Table
 
     table = Table(title=title)
+    asynchronous = records[-1].pause_s is not None
     extra = ("sync s", "routing Δ") if disaggregated else ("lifecycle s", "engine MiB", "trainer MiB")
+    if asynchronous:
+        extra = ("sync s", "pause s", "staleness 0/1/…", "dropped")
     for column in ("step", "accuracy", "reward", "max |Δ lp|", "tok/s", *extra):
         table.add_column(column, justify="right")
     for r in records:
         if r.accuracy is None or r.step == 0:
             continue
         cells = [str(r.step), f"{r.accuracy:.3f}", f"{r.reward_mean:.3f}", f"{r.max_abs_dlogprob:.1e}", f"{r.rollout_tok_s:.0f}"]
-        if disaggregated:
+        if asynchronous:
+            cells += [f"{r.update_s:.3f}", f"{r.pause_s:.3f}", "/".join(map(str, r.staleness)), str(r.dropped)]
+        elif disaggregated:
             cells += [f"{r.update_s:.3f}", "–" if r.routing_disagreement is None else f"{r.routing_disagreement:.1e}"]
         else:
             cells += [f"{r.sleep_s + r.update_s + r.wake_s:.3f}", f"{r.rss_engine_awake_mb:.0f}→{r.rss_engine_asleep_mb:.0f}",
@@ -301,10 +364,21 @@ def rl_command(args) -> int:
         raise ValueError("--negative-control is for the colocated loop (its poisoned wakes); drop --disaggregated.")
     if args.routing_replay and not args.disaggregated:
         raise ValueError("--routing-replay needs --disaggregated (the routes return each token's experts).")
+    if args.asynchronous and not args.disaggregated:
+        raise ValueError("--async needs --disaggregated (its rollouts come from a moeshard serve).")
+    given = {"kv_after_update": args.kv_after_update, "max_staleness": args.max_staleness, "capacity": args.rollout_capacity}
+    given = {k: v for k, v in given.items() if v is not None}
+    if given and not args.asynchronous:
+        raise ValueError("--kv-after-update, --max-staleness and --rollout-capacity are options of --async.")
+    if args.asynchronous and args.routing_replay:
+        raise ValueError("--async does not take --routing-replay yet: its per-version gap check does not replay the routes.")
+    asynchronous = AsyncOptions(**given)
     title = (
         f"GRPO on {options.layout.label()}{' (moeshard serve)' if args.disaggregated else ''}, {options.moe_comm}"
         f"{', compiled' if options.compile else ''}{', batch-invariant' if options.grpo.batch_invariant else ''}"
-        f"{', routing replay' if args.routing_replay else ''}: {options.problems} problems × {options.group} completions a step"
+        f"{', routing replay' if args.routing_replay else ''}"
+        f"{f', async ({asynchronous.kv_after_update}, max staleness {asynchronous.max_staleness})' if args.asynchronous else ''}"
+        f": {options.problems} problems × {options.group} completions a step"
     )
     with Progress(
         TextColumn("[bold]rl[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -325,7 +399,8 @@ def rl_command(args) -> int:
             if args.disaggregated:
                 log_dir = Path(tempfile.mkdtemp(prefix="moeshard-rl-"))
                 progress.console.print(f"the server's log: {log_dir}/moeshard-serve.log")
-                records = run_disaggregated(options, args.routing_replay, log_dir, on_step)
+                records = (run_async(options, asynchronous, log_dir, on_step) if args.asynchronous
+                           else run_disaggregated(options, args.routing_replay, log_dir, on_step))
             else:
                 records = run_rl(options, on_step)
         except LogprobGapError as exc:
@@ -344,8 +419,19 @@ def rl_command(args) -> int:
         f"worst max |Δ logprob| {s['worst_max_abs_dlogprob']:.2e} (importance ratio within "
         f"{s['worst_max_ratio_deviation']:.2e} of 1); {where}"
     )
+    if args.asynchronous:
+        console.print(
+            f"rollouts paused {s['median_pause_s']:.3f} s a sync (median; max {s['max_pause_s']:.3f} s), one weights "
+            f"update each; trained samples by staleness (0, 1, … versions behind) "
+            f"{' / '.join(f'{x:.1%}' for x in s['staleness_share'])}, {s['dropped_share']:.1%} dropped, "
+            f"{s['spanning_share']:.1%} spanning two versions or more; worst |Δ logprob| per version, by staleness: "
+            f"{' / '.join(f'{x:.1e}' for x in s['max_abs_dlogprob_by_staleness'])}"
+        )
+    console.print(f"rollouts: {s['loop_rollout_tok_s']:.0f} completion tokens/s sampled over the steps")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in records], indent=1) + "\n")
-    if args.plot:
+    if args.plot and args.asynchronous:
+        plot_async(records, args.plot, title)
+    elif args.plot:
         plot(records, args.plot, title, options.grpo.tolerance)
     return 0
