@@ -201,8 +201,8 @@ def test_bad_input_is_refused_and_disturbs_nothing(server, prompts):
         ("/inference/v1/generate", {"token_ids": ids, "sampling_params": {"max_new_tokens": 4}},
          "sampling_params.max_new_tokens"),
         ("/inference/v1/generate", {"token_ids": [], "sampling_params": {}}, "token_ids"),
-        ("/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": [], "packed": True}},
-         "update_info.packed"),
+        ("/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": [], "packed": True,
+                                             "packed_buffer_size_bytes": 1024}}, "update_info.packed_buffer_size_bytes"),
         ("/release_memory_occupation", {"tags": ["kv_cache"]}, "tags"),
     ]
     with http(server) as c:
