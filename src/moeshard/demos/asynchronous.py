@@ -35,8 +35,11 @@ import asyncio
 import copy
 import queue
 import random
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +51,7 @@ from moeshard.demos.common import LogprobGapError, RLOptions, StepRecord, reward
 from moeshard.demos.disaggregated import Session, held_out_split, rollout_of, serving, train_loop, version_name, version_number
 from moeshard.demos.grpo import EngineMirror, Trainer, logprob_gap, sampled_lengths
 
-TRAINER_THREADS = 1
+GIL_SWITCH_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -320,11 +323,7 @@ def run_async(options: RLOptions, asynchronous: AsyncOptions, log_dir: Path, on_
     """The asynchronous loop against a `moeshard serve` it starts; one record per step (step 0: the start)."""
     start = time.monotonic()
     _, excluded = held_out_split(options)
-    # The server's ranks run beside the trainer all the time: a second OpenMP thread would wait on a
-    # core they hold (measured here: a forward of 256 samples 0.6 s on 1 thread, 4.8 s on 2).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(TRAINER_THREADS)
-    try:
+    with beside_rollouts():
         trainer = Trainer(str(options.model), options.grpo, options.seed)
         with serving(options, log_dir, "--kv-after-update", asynchronous.kv_after_update) as base:
             session = Session(base, trainer, options)
@@ -334,6 +333,21 @@ def run_async(options: RLOptions, asynchronous: AsyncOptions, log_dir: Path, on_
             finally:
                 loop.close()
             session.close()
+    return records
+
+
+@contextmanager
+def beside_rollouts() -> Iterator[None]:
+    """This process's settings while the rollouts run beside the trainer. One OpenMP thread for the
+    trainer: the server's ranks hold the other cores, and a second thread would wait on them
+    (measured here: a forward of 256 samples 0.6 s on 1 thread, 4.8 s on 2). A GIL switch interval
+    of 0.5 ms: at 5 ms, the rollout thread's parsing holds the trainer back at each of a forward's
+    many small ops (measured: a forward 35% slower beside a thread busy 10% of the time; 0.5 ms: none)."""
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(1)
+    sys.setswitchinterval(GIL_SWITCH_S)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
-    return records
+        sys.setswitchinterval(interval)

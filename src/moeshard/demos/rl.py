@@ -269,6 +269,8 @@ def plot_async(records: list[StepRecord], path: str, title: str) -> None:
     shares = [[(r.staleness[k] if k < len(r.staleness) else 0) / t for r, t in zip(steps, totals)] for k in range(depth)]
     labels = [f"trained, {k} version{'' if k == 1 else 's'} stale" for k in range(depth)]
     bottom.stackplot(minutes, *shares, [r.dropped / t for r, t in zip(steps, totals)], labels=[*labels, "dropped (too stale)"], alpha=0.8)
+    bottom.plot(minutes, [r.spanning / t for r, t in zip(steps, totals)], color="black", lw=0.8,
+                label="trained, tokens from two versions")
     bottom.set_ylim(0, 1)
     bottom.set_ylabel("share of the samples a step took")
     bottom.set_xlabel("minutes")
