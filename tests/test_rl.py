@@ -15,7 +15,8 @@ from moeshard.bundled.arithmetic import VOCAB
 from moeshard.demos.asynchronous import AsyncOptions, Versions, run_async, token_versions, version_tensors
 from moeshard.demos.common import WEAK_MODEL_DIR, LogprobGapError, RLOptions
 from moeshard.demos.disaggregated import run_disaggregated, version_number
-from moeshard.demos.grpo import GRPOConfig, Rollout, Trainer, clipped_loss, group_advantages, logprob_gap, sampled_logprobs
+from moeshard.demos.grpo import (GRPOConfig, Rollout, Trainer, clipped_loss, group_advantages, logprob_gap, sampled_logprobs,
+                                 tis_weights)
 from moeshard.demos.rl import run_rl
 from test_inflight_updates import GREEDY, PROMPTS
 
@@ -37,6 +38,18 @@ def test_clipped_loss_is_the_policy_gradient_on_policy_and_clips_off_it():
     far = torch.tensor([[0.0, -0.5, -2.0]], requires_grad=True)  # token 1 already 1.65× likelier than sampled
     clipped_loss(far, logprobs.detach(), adv, mask, clip=0.2).backward()
     assert far.grad[0, 1] == 0 and far.grad[0, 2] != 0
+
+
+def test_truncated_importance_weights_scale_each_token_and_cap_at_c():
+    trainer_NS = torch.tensor([[0.0, -1.0, -1.0, -3.0]])
+    engine_NS = torch.tensor([[0.0, -1.5, -0.5, -0.5]])  # ratios e^0.5, e^-0.5, e^-2.5 on the sampled
+    mask_NS = torch.tensor([[False, True, True, True]])
+    weights_NS, report = tis_weights(trainer_NS, engine_NS, mask_NS, cap=1.5)
+    assert torch.allclose(weights_NS, torch.tensor([[0.0, 1.5, math.exp(-0.5), math.exp(-2.5)]]))
+    assert report["tis_truncated_share"] == pytest.approx(1 / 3)
+    logprobs = trainer_NS.clone().requires_grad_()
+    clipped_loss(logprobs, trainer_NS, torch.tensor([3.0]), mask_NS, clip=0.2, weights_NS=weights_NS).backward()
+    assert torch.allclose(logprobs.grad, -weights_NS)  # the on-policy gradient −A / tokens, token by token
 
 
 def test_logprob_gap_counts_nan_as_infinite():

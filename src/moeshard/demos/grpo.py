@@ -36,6 +36,10 @@ class GRPOConfig:
     minibatches: int = 2  # optimizer steps per rollout; after the first the policy is off the rollout's
     max_grad_norm: float = 1.0
     tolerance: float = 1e-4  # largest |Δ logprob| between engine and trainer it trains on
+    # Truncated importance sampling (token level, as verl's rollout correction): where the engine's
+    # policy is not the trainer's on purpose (quantized rollouts), each sampled token's loss is
+    # weighted by min(π_trainer / π_engine, tis_cap) instead of refusing the gap; None: refuse it.
+    tis_cap: float | None = None
     batch_invariant: bool = False  # the logprobs trained on are the engine's own computation (EngineMirror)
 
 
@@ -143,13 +147,28 @@ def sampled_lengths(sampled_NS: torch.Tensor) -> torch.Tensor:
     return sampled_NS.cumsum(1).argmax(1) + 1
 
 
-def clipped_loss(logprobs_NS, old_NS, advantages_N, mask_NS, clip: float) -> torch.Tensor:
+def clipped_loss(logprobs_NS, old_NS, advantages_N, mask_NS, clip: float, weights_NS=None) -> torch.Tensor:
     """PPO's clipped surrogate, averaged over the sampled tokens (every token counts the same, so a
-    long completion is not worth less per token than a short one)."""
+    long completion is not worth less per token than a short one); each token's term times
+    `weights_NS` where given (truncated importance weights, `tis_weights`)."""
     ratio_NS = (logprobs_NS - old_NS).exp()
     adv_N1 = advantages_N[:, None]
     surrogate_NS = torch.minimum(ratio_NS * adv_N1, ratio_NS.clamp(1 - clip, 1 + clip) * adv_N1)
+    if weights_NS is not None:
+        surrogate_NS = surrogate_NS * weights_NS
     return -(surrogate_NS * mask_NS).sum() / mask_NS.sum().clamp(min=1)
+
+
+def tis_weights(trainer_NS: torch.Tensor, engine_NS: torch.Tensor, mask_NS: torch.Tensor, cap: float):
+    """Token-level truncated importance weights min(π_trainer / π_engine, cap) on the sampled tokens
+    (0 elsewhere), and what the run reports of them: their mean and the share truncated."""
+    ratio_NS = (trainer_NS - engine_NS).exp().masked_fill(~mask_NS, 0)
+    weights_NS = ratio_NS.clamp(max=cap)
+    sampled = ratio_NS[mask_NS]
+    return weights_NS, {
+        "tis_mean": float(weights_NS[mask_NS].mean()) if sampled.numel() else 1.0,
+        "tis_truncated_share": float((sampled > cap).float().mean()) if sampled.numel() else 0.0,
+    }
 
 
 def logprob_gap(trainer_NS: torch.Tensor, engine_NS: torch.Tensor, mask_NS: torch.Tensor) -> dict[str, float]:
@@ -194,14 +213,20 @@ class Trainer:
         with torch.no_grad():
             old_NS = self.logprobs(rollout)
         report = logprob_gap(old_NS, rollout.engine_logprobs_NS, rollout.completion_NS)
-        report["trained"] = report["max_abs_dlogprob"] <= self.config.tolerance
+        weights_NS, cap = None, self.config.tis_cap
+        if cap is None:
+            report["trained"] = report["max_abs_dlogprob"] <= self.config.tolerance
+        else:  # a known gap, corrected by the weights; a non-finite one is still refused
+            report["trained"] = math.isfinite(report["max_abs_dlogprob"])
+            weights_NS, tis = tis_weights(old_NS, rollout.engine_logprobs_NS, rollout.completion_NS, cap)
+            report.update(tis)
         if report["trained"]:
-            report.update(self.train(rollout, old_NS))
+            report.update(self.train(rollout, old_NS, weights_NS))
         return report
 
-    def train(self, rollout: Rollout, old_NS: torch.Tensor) -> dict:
-        """Clipped policy-gradient steps on `rollout`, the ratio taken to `old_NS`: the logprobs of
-        the policy that sampled it."""
+    def train(self, rollout: Rollout, old_NS: torch.Tensor, weights_NS: torch.Tensor | None = None) -> dict:
+        """Clipped policy-gradient steps on `rollout`, the ratio taken to `old_NS`: the trainer's
+        logprobs of the policy that sampled it (with `weights_NS`, its tokens' importance weights)."""
         mask_NS = rollout.completion_NS
         losses, awake = [], memory.resident_mb()
         # A group whose completions all scored the same has advantage 0 and no gradient: its rows
@@ -209,7 +234,9 @@ class Trainer:
         taught = rollout.advantages_N.nonzero().squeeze(1)
         for rows in taught.chunk(self.config.minibatches) if len(taught) else ():
             logprobs_NS = self.logprobs(rollout, rows)
-            loss = clipped_loss(logprobs_NS, old_NS[rows], rollout.advantages_N[rows], mask_NS[rows], self.config.clip)
+            weights = None if weights_NS is None else weights_NS[rows]
+            loss = clipped_loss(logprobs_NS, old_NS[rows], rollout.advantages_N[rows], mask_NS[rows], self.config.clip,
+                                weights)
             self.updates += 1
             for group in self.optimizer.param_groups:
                 group["lr"] = self.config.lr * min(1.0, self.updates / self.config.warmup)
