@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -218,7 +218,8 @@ class IntLayout(Layout):
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
-    scale_dtype: torch.dtype = torch.float16  # how scales are stored (what a checkpoint holds is read as it is)
+    # How `encode` stores scales; a checkpoint's are read as they are, so the config does not say.
+    scale_dtype: torch.dtype = field(default=torch.float16, compare=False)
 
     def kind(self) -> str:
         return f"int{self.bits}"
@@ -260,7 +261,7 @@ class PackQuantized(IntLayout):
     """compressed-tensors `pack-quantized`: rows of int32 words along K, stored integers offset by
     2^(bits−1) (`pack_to_int32`), asymmetric zero points packed along N."""
 
-    scale_dtype: torch.dtype = torch.bfloat16
+    scale_dtype: torch.dtype = field(default=torch.bfloat16, compare=False)
 
     marker = ".weight_packed"
     suffixes = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape")
