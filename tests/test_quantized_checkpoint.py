@@ -157,6 +157,7 @@ def test_layout_reads_what_its_reference_dequantizes(tiny, tmp_path, layout_name
         module = name.removesuffix(".weight")
         assert (name in quantized) == (module != name and reference[name].dim() == 2 and module not in layout.ignore
                                        and "embed_tokens" not in name)
+    shapes = {}  # rank blocks on one weight of each shape (the rest are the same code on other bytes)
     for name in quantized:
         N, K = reference[name].shape
         module = name.removesuffix(".weight")
@@ -168,6 +169,8 @@ def test_layout_reads_what_its_reference_dequantizes(tiny, tmp_path, layout_name
         if whole.fmt.kind != "fp8":
             low, high = whole.fmt.levels
             assert low <= int(whole.values.min()) and int(whole.values.max()) <= high
+        if shapes.setdefault((N, K), name) != name:
+            continue
         for index in rank_blocks(N, K, whole.fmt.group):
             rows, cols = (*index, slice(None))[:2]
             part = source.read_quantized(name, (N, K), index)
@@ -180,7 +183,8 @@ def test_layout_reads_what_its_reference_dequantizes(tiny, tmp_path, layout_name
         # elements (a word or a group more at the edges), not the whole tensors
         total = sum(stored[s].numel() for s in counting.stored_names(name))
         counting.stored.elements = 0
-        counting.read_quantized(name, (N, K), (slice(0, N // 2), slice(0, max(K // 2 // whole.fmt.group, 1) * whole.fmt.group)))
+        cols = max(K // 2 // whole.fmt.group, 1) * whole.fmt.group
+        counting.read_quantized(name, (N, K), (slice(N - N // 2, N), slice(K - cols, K)))
         assert counting.stored.elements <= 0.55 * total, name
 
 

@@ -7,8 +7,9 @@ listed as such), and writes beside it the dequantized reference: the same model 
 quantized weight replaced by its dequantized value (bf16-exact, stored fp32), which transformers
 loads plainly — what `verify hf` compares the engine with.
 
-The tiny models' inputs (K) are 16, 24, 32, 40, 48, 64 and 96: groups of 16 inputs and FP8 blocks
-of 16 × 16 leave a short last group on DeepSeek-V3's K = 24 and 40 (read as canonical groups of 8).
+The tiny models' inputs (K) are 16, 24, 32, 40, 48, 64 and 96: groups of 16 inputs (FP8 blocks of
+32 outputs × 16 inputs) leave a short last group on DeepSeek-V3's K = 24 and 40 (read as canonical
+groups of 8), and FP8's blocks of rows a short last one on most weights.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ GROUP = 16
 
 # name → the layout, given the modules it leaves as shipped
 TINY_LAYOUTS: dict[str, Callable[[tuple[str, ...]], Layout]] = {
-    "fp8": lambda ignore: Fp8Block(ignore, (GROUP, GROUP)),
+    "fp8": lambda ignore: Fp8Block(ignore, (2 * GROUP, GROUP)),  # not square: rows and columns told apart
     "ct-int4": lambda ignore: PackQuantized(ignore, 4, GROUP, symmetric=True),
     "ct-int4-asym": lambda ignore: PackQuantized(ignore, 4, GROUP, symmetric=False),
     "ct-int8": lambda ignore: PackQuantized(ignore, 8, GROUP, symmetric=True, scale_dtype=torch.float16),
