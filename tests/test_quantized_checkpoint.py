@@ -296,6 +296,9 @@ def test_bad_blocks_and_inconsistent_tensors_are_refused(tiny, tmp_path):
     shifted = dict(stored, **{f"{module}.qzeros": stored[f"{module}.qzeros"] + 1})
     with pytest.raises(CheckpointError, match="symmetric"):
         QuantizedSource(TensorDict(shifted), layout).read_quantized(name, shape)
+    regrouped = Gptq((), 4, 2 * GROUP, symmetric=True, v1=True)  # a config whose group size is not the tensors'
+    with pytest.raises(CheckpointError, match="group size"):
+        QuantizedSource(TensorDict(stored), regrouped).read_quantized(name, shape)
     listed = Gptq((module,), 4, GROUP, symmetric=True, v1=True)
     with pytest.raises(CheckpointError, match="lists it as not quantized"):
         QuantizedSource(TensorDict(stored), listed).quantized(name)

@@ -147,6 +147,10 @@ class Layout:
         """The weight's logical [N, K]."""
         raise NotImplementedError
 
+    def stored_shapes(self, N: int, K: int) -> dict[str, tuple[int, ...]]:
+        """The tensors a weight [N, K] must store, by suffix, and their shapes."""
+        raise NotImplementedError
+
     def read(self, source: TensorSource, module: str, rows: range, cols: range, K: int) -> Quantized:
         """Rows `rows`, columns `cols` (whole canonical groups) of the weight, as stored in `source`."""
         raise NotImplementedError
@@ -187,14 +191,12 @@ class Fp8Block(Layout):
     def shape(self, source, module):
         return tuple(source.shape(f"{module}.weight"))
 
+    def stored_shapes(self, N, K):
+        bn, bk = self.block
+        return {".weight": (N, K), ".weight_scale_inv": (-(-N // bn), -(-K // bk))}
+
     def read(self, source, module, rows, cols, K):
         bn, bk = self.block
-        N = self.shape(source, module)[0]
-        stored = tuple(source.shape(f"{module}.weight_scale_inv"))
-        if stored != (-(-N // bn), -(-K // bk)):
-            raise CheckpointError(
-                f"{module}.weight_scale_inv has shape {list(stored)}, not one scale per {bn}×{bk} block of {[N, K]}."
-            )
         values = source.block(f"{module}.weight", (slice(rows.start, rows.stop), slice(cols.start, cols.stop)))
         if values.dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{module}.weight is stored as {values.dtype}; block FP8 weights are float8_e4m3fn.")
@@ -298,6 +300,11 @@ class PackQuantized(IntLayout):
     def shape(self, source, module):
         return tuple(int(n) for n in source.block(f"{module}.weight_shape", ()))
 
+    def stored_shapes(self, N, K):
+        groups, p = -(-K // self.group_size), self.per
+        zero = {} if self.symmetric else {".weight_zero_point": (-(-N // p), groups)}
+        return {".weight_packed": (N, -(-K // p)), ".weight_scale": (N, groups), ".weight_shape": (2,)} | zero
+
     def read(self, source, module, rows, cols, K):
         fmt = self.fmt(K)
         words, within = words_of(cols, self.per)
@@ -356,10 +363,14 @@ class Gptq(IntLayout):
         K_words, N = source.shape(f"{module}.qweight")
         return N, K_words * self.per
 
+    def stored_shapes(self, N, K):
+        groups, p = -(-K // self.group_size), self.per
+        return {".qweight": (-(-K // p), N), ".qzeros": (groups, -(-N // p)), ".scales": (groups, N)}
+
     def read(self, source, module, rows, cols, K):
         fmt, n = self.fmt(K), slice(rows.start, rows.stop)
-        g_idx = source.block(f"{module}.g_idx", (slice(cols.start, cols.stop),))
-        if not torch.equal(g_idx.long(), torch.arange(cols.start, cols.stop) // self.group_size):
+        g_idx = source.block(f"{module}.g_idx", (slice(cols.start, cols.stop),)) if f"{module}.g_idx" in source else None
+        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols.start, cols.stop) // self.group_size):
             raise CheckpointError(f"{module}.g_idx is not in input order (act-order, desc_act), which moeshard does not read.")
         words, within = words_of(cols, self.per)
         levels = unpack(source.block(f"{module}.qweight", (words, n)).T, self.bits)[:, within]
@@ -412,6 +423,10 @@ class Awq(IntLayout):
     def shape(self, source, module):
         K, N_words = source.shape(f"{module}.qweight")
         return N_words * self.per, K
+
+    def stored_shapes(self, N, K):
+        groups, words = -(-K // self.group_size), -(-N // self.per)
+        return {".qweight": (K, words), ".qzeros": (groups, words), ".scales": (groups, N)}
 
     def read(self, source, module, rows, cols, K):
         fmt = self.fmt(K)
@@ -578,8 +593,16 @@ class QuantizedSource(TensorSource):
         N, K = shape
         rows, cols = (*index, slice(None), slice(None))[:2]
         rows, cols = to_range(rows, N, "rows", name), to_range(cols, K, "columns", name)
-        fmt = self.layout.fmt(K)
-        whole_groups(cols, K, fmt.group, name)
+        for suffix, expected in self.layout.stored_shapes(N, K).items():
+            stored = module + suffix
+            if stored not in self.stored:
+                raise CheckpointError(f"{self.label} has no tensor {stored!r}, which a quantized {name} needs.")
+            if tuple(self.stored.shape(stored)) != expected:
+                raise CheckpointError(
+                    f"tensor {stored!r} has shape {list(self.stored.shape(stored))}, but {type(self.layout).__name__} "
+                    f"stores a {list(shape)} weight's as {list(expected)} (is the config's group size right?)."
+                )
+        whole_groups(cols, K, self.layout.fmt(K).group, name)
         return self.layout.read(self.stored, module, rows, cols, K)
 
     def block(self, name: str, index: tuple) -> torch.Tensor:
