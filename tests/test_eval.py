@@ -51,6 +51,7 @@ def test_stop_strings_and_text(tmp_path):
     assert stopped.text == plain.text[: plain.text.index("7")] and stopped.finish_reason == "stop"
 
 
+@pytest.mark.long_pole
 @pytest.mark.parametrize("layouts, methods", [("1x1,1x2-ep,2x2-ep", EP_METHODS), ("1x1,2x1", "auto,allgather")])
 def test_eval_identical_everywhere(tmp_path, layouts, methods):
     out = tmp_path / "eval.json"

@@ -17,6 +17,9 @@ PROMPTS = [p.prompt[:k] for k, p in enumerate(held_out(55)[48:], start=1)] + [p.
 GREEDY = SamplingParams(temperature=0)
 CYCLES = 5
 
+# The whole module: its module-scoped engines' outputs would be made again if its tests were split.
+pytestmark = pytest.mark.long_pole
+
 
 @pytest.fixture(scope="module")
 def reference():

@@ -14,6 +14,7 @@ import pytest
 KEYS = {"method", "tp", "dp", "ep", "sp", "shared", "transform", "router", "compiled", "max_abs_err", "passed"}
 
 
+@pytest.mark.long_pole
 @pytest.mark.xdist_group("matrix")
 def test_verify_layer_matrix(tmp_path):
     out_json, out_md = tmp_path / "layer.json", tmp_path / "layer.md"
