@@ -30,3 +30,10 @@ def torch_ops(monkeypatch):
     yield
     monkeypatch.undo()
     kernels.built.cache_clear()
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked `long_pole` first. pytest-xdist hands out the multi-test groups, then every
+    other test in collection order: a long pole collected late (test_verify_layer's matrix, by name)
+    started when the rest was done and ran alone while the other worker idled."""
+    items.sort(key=lambda item: item.get_closest_marker("long_pole") is None)

@@ -18,6 +18,7 @@ def test_bench_lm_head_runs_and_checks_parity():
     assert "vocab-parallel" in proc.stdout and "ratio" in proc.stdout
 
 
+@pytest.mark.long_pole
 def test_bench_e2e_alternates_contenders_with_identical_tokens(tmp_path):
     out = tmp_path / "e2e.json"
     proc = subprocess.run(
@@ -52,6 +53,7 @@ def test_bench_e2e_alternates_contenders_with_identical_tokens(tmp_path):
     assert floors[0]["gflop"] > 2 * 4 * 4 * 3 * 512 * 256 / 1e9 and all(f["compute_floor_ms"] > 0 for f in floors)
 
 
+@pytest.mark.long_pole
 def test_bench_layer_alternates_contenders_and_replays_its_own_gemms(tmp_path):
     out = tmp_path / "layer.json"
     done = subprocess.run([sys.executable, "-m", "moeshard", "bench", "layer", "--repeats", "2", "--decode-tokens", "4",

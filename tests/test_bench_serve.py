@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from moeshard.bundled.arithmetic import MODEL_DIR
 
 SMALL = ["--model", str(MODEL_DIR), "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "5",
@@ -33,6 +35,7 @@ def test_bench_serve_reports_every_request_at_each_concurrency(tmp_path):
     assert report["memory"]["moeshard"]["rss_mb"] > 0
 
 
+@pytest.mark.long_pole
 def test_bench_serve_against_transformers_serve_agrees_on_greedy_completions(tmp_path):
     # fp32: there every engine's greedy tokens are the same; in bf16 moeshard's kernels round otherwise
     # than torch's bf16 ops, and the completions drift apart after the first differing token
@@ -94,6 +97,7 @@ def test_stop_kills_the_server_and_what_it_left_behind():
         pass  # gone
 
 
+@pytest.mark.long_pole
 def test_bench_serve_prefix_dataset_with_and_without_caching(tmp_path):
     """A shared 64-token prefix: moeshard serve finds it cached, its /metrics count the same hit rate
     as the responses' usage, and the completions equal those of a server without prefix caching."""

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.xdist_group("invariance")
 def test_every_request_is_bitwise_its_run_alone_in_batch_invariant_mode():
     options = InvarianceOptions(
         layouts=(Layout(1, 1), Layout(1, 2, True)), methods=("auto", "allgather", "alltoall"),
-        backends=(None, "aot_eager"), requests=12, mixes=2, dtype="float32",
-    )
+        backends=(None, "aot_eager"), requests=12, mixes=1, dtype="float32",
+    )  # one randomised mix per engine: 12 mixes in all, each at its own concurrency, order and token budget
     rows = run_invariance(options)
     assert len(rows) == 1 + 2 * 3 * 2
     across = [r for r in rows if r.reference == "alone on 1x1" and r.layout == "1x2-ep"]
@@ -32,7 +32,7 @@ def test_every_request_is_bitwise_its_run_alone_in_batch_invariant_mode():
 
 
 def test_without_the_mode_the_harness_sees_the_differences():
-    options = InvarianceOptions(layouts=(Layout(1, 1),), methods=("auto",), backends=(None,), requests=12, mixes=2,
+    options = InvarianceOptions(layouts=(Layout(1, 1),), methods=("auto",), backends=(None,), requests=12, mixes=1,
                                 dtype="float32", batch_invariant=False)
     (row,) = run_invariance(options)
     assert row.bitwise_equal < row.compared and row.max_abs_dlogprob > 0 and row.first_diverging_token is not None

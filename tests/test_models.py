@@ -65,6 +65,7 @@ def test_layouts_match_transformers(tiny, ranks2, ranks4, variant, layout, metho
     check(hf.Request(tiny[variant], layout, method, backend), pool)
 
 
+@pytest.mark.long_pole
 def test_inductor_compiled_model(tiny, ranks2):
     check(hf.Request(tiny["qwen2_moe"], Layout.parse("1x2-ep"), "auto", "inductor", steps=3), ranks2)
 

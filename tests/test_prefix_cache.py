@@ -85,6 +85,7 @@ def assert_same_outputs(cached, uncached) -> None:
             assert max(abs(cached_top[t] - uncached_top[t]) for t in cached_top) <= LOGPROB_TOLERANCE
 
 
+@pytest.mark.long_pole
 @pytest.mark.parametrize(
     "layout, method, compile",
     [

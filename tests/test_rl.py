@@ -77,6 +77,7 @@ def test_the_trainer_leaves_out_groups_that_teach_nothing():
     assert not all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
+@pytest.mark.long_pole
 def test_a_few_steps_on_1x2_ep_alltoall_agree_with_the_trainer_and_repeat():
     """Engine and trainer agree to 1e-4 on every sampled token, at each step (so each update
     arrived whole and the wake rebuilt what it must); a fixed seed gives the same rewards again."""

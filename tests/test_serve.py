@@ -267,7 +267,7 @@ def test_bad_inputs_answer_4xx_while_40_good_requests_run(server, reference):
 def test_eval_against_the_server(server, tmp_path):
     out = tmp_path / "eval.json"
     command = [sys.executable, "-m", "moeshard", "eval", "--url", server.url, "--api-key", KEY,
-               "--concurrency", "1,4,16", "-n", "100", "--json", str(out)]
+               "--concurrency", "1,4,16", "-n", "32", "--json", str(out)]  # c = 16: two full rounds
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())

@@ -14,7 +14,7 @@ from processes import free_port, kill_tree, listening
 
 pytestmark = pytest.mark.xdist_group("torchrun")  # four ranks: alone on the machine's two cores
 
-EVAL = ["eval", "--layouts", "2x2-ep", "--concurrency", "1,16", "-n", "100"]
+EVAL = ["eval", "--layouts", "2x2-ep", "--concurrency", "1,16", "-n", "32"]  # c = 16: two full batches
 TIMEOUT_S = 25  # MOESHARD_COLLECTIVE_TIMEOUT_S below: the failure bound
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "MOESHARD_COLLECTIVE_TIMEOUT_S": str(TIMEOUT_S)}
 
@@ -65,7 +65,7 @@ def test_two_nodes_equal_spawned_ranks_and_one_rank(tmp_path):
     logs = "".join((tmp_path / f"node{n}.log").read_text()[-2000:] for n in (0, 1))
     assert codes == [0, 0], logs
     run_moeshard([*EVAL, "--json", "spawned.json"], tmp_path)
-    run_moeshard(["eval", "--layouts", "1x1", "--concurrency", "1", "-n", "100", "--json", "one.json"], tmp_path)
+    run_moeshard(["eval", "--layouts", "1x1", "--concurrency", "1", "-n", "32", "--json", "one.json"], tmp_path)
     torchrun, spawned, one = (json.loads((tmp_path / f).read_text()) for f in ("torchrun.json", "spawned.json", "one.json"))
     assert torchrun == spawned
     assert {r["outputs_sha256"] for r in torchrun} == {one[0]["outputs_sha256"]}

@@ -32,6 +32,9 @@ def add_commands(registry: Registry) -> None:
     layer.add_argument("--json", metavar="PATH", help="write every case as JSON")
     layer.add_argument("--markdown", metavar="PATH", help="write every case as a Markdown table")
     layer.add_argument("--seed", type=int, default=0)
+    layer.add_argument("--alternate-routers", action="store_true",
+                       help="one router per group, alternating (half the cases; every router still meets every "
+                            "pair of layout, shared expert and transform)")
     layer.set_defaults(run=verify_layer)
 
     vhf = registry.command("prove", "verify hf", "a Hugging Face checkpoint on a layout vs. transformers, step by step",
@@ -131,7 +134,7 @@ def verify_layer(args: argparse.Namespace) -> int:
 
     console = report.console(quiet=not is_reporting_rank())
     world_sizes = matrix.world_sizes_to_run(args.world_sizes)
-    total = sum(len(matrix.groups_for(w)) for w in world_sizes)
+    total = sum(len(matrix.groups_for(w, args.alternate_routers)) for w in world_sizes)
     with progress_bar("verify layer", console) as progress:
         task = progress.add_task("", total=total)
 
@@ -140,7 +143,7 @@ def verify_layer(args: argparse.Namespace) -> int:
                 progress.console.print(report.case_line(row))
             progress.update(task, advance=1, description=group.layout.label())
 
-        rows = matrix.run_matrix(world_sizes, seed=args.seed, on_group=on_group)
+        rows = matrix.run_matrix(world_sizes, args.seed, on_group, args.alternate_routers)
     console.print(report.summary_table(rows))
     failed = [r for r in rows if not r.passed]
     console.print(f"{len(rows) - len(failed)}/{len(rows)} cases passed.")

@@ -110,14 +110,17 @@ def layouts_for(world_size: int) -> list[Layout]:
     return out
 
 
-def groups_for(world_size: int) -> list[Group]:
-    return [
-        Group(layout, shared, transform, router)
-        for layout in layouts_for(world_size)
-        for shared in SHARED_KINDS
-        for transform in TRANSFORMS
-        for router in ROUTERS
-    ]
+def groups_for(world_size: int, alternate_routers: bool = False) -> list[Group]:
+    """Every layout × shared kind × transform, each with every router; or (`alternate_routers`, half
+    the groups) with one router, alternating, so that each router still meets every pair of layout,
+    shared kind and transform."""
+    groups = []
+    for i, layout in enumerate(layouts_for(world_size)):
+        for j, shared in enumerate(SHARED_KINDS):
+            for k, transform in enumerate(TRANSFORMS):
+                routers = [ROUTERS[(i + j + k) % 2]] if alternate_routers else ROUTERS
+                groups += [Group(layout, shared, transform, router) for router in routers]
+    return groups
 
 
 def batch_for(layout: Layout, dp_rank: int, sizes: tuple[int, ...], hidden: int, seed: int) -> torch.Tensor:
@@ -242,13 +245,15 @@ def world_sizes_to_run(requested: list[int]) -> list[int]:
     return world_sizes
 
 
-def run_matrix(world_sizes: list[int], seed: int = 0, on_group=None) -> list[CaseResult]:
-    """Every group of every world size; `on_group(group, rows)` is called as each finishes."""
+def run_matrix(
+    world_sizes: list[int], seed: int = 0, on_group=None, alternate_routers: bool = False
+) -> list[CaseResult]:
+    """Every group of every world size (`groups_for`); `on_group(group, rows)` is called as each finishes."""
     rows: list[CaseResult] = []
     for world_size in world_sizes:
         ranks = open_ranks(world_size)
         try:
-            for i, group in enumerate(groups_for(world_size)):
+            for i, group in enumerate(groups_for(world_size, alternate_routers)):
                 try:
                     group_rows = merge(group, ranks.run(run_group, group, seed + i))
                 except RankError as exc:
