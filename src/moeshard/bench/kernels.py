@@ -99,11 +99,19 @@ def experts_case(rows: int, experts: int, hidden: int, inter: int, top_k: int, d
     )
 
 
+def kernels_console(width: int) -> Console | None:
+    """A console for a kernel benchmark's table; None (the reason printed) where the kernels do not run."""
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else width)
+    if kernels.built():
+        return console
+    console.print("moeshard: error: this CPU has neither AVX512-BF16 nor AVX2 + FMA (or the kernels did not "
+                  "build): nothing to compare.")
+    return None
+
+
 def run_bench_kernels(args) -> int:
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    if not kernels.built():
-        console.print("moeshard: error: this CPU has neither AVX512-BF16 nor AVX2 + FMA (or the kernels did not "
-                      "build): nothing to compare.")
+    console = kernels_console(160)
+    if console is None:
         return 2
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
