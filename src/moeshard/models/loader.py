@@ -3,11 +3,13 @@
 A module allocates its parameters from the config's shapes alone (this rank's shard shapes) and
 attaches to each one a `ShardLoad`: which blocks of which checkpoint tensors it is made of, and
 where each block goes. `load_weights` reads one block at a time from a TensorSource (a checkpoint
-directory or an update's tensors) and copies it into the parameter's existing storage, so:
+directory or an update's tensors) and writes it into the parameter's existing storage through the
+parameter's layout (moeshard.kernels.packed: Hugging Face's, or the kernels' packed panels), so:
 
 - no module is built during a load (layer names, the KV-cache registry and derived tensors are
   left alone), and parameters keep their identity (compiled graphs and sleep/wake hold them);
-- the extra memory is one block, as stored, at a time (an update's block is a view: none).
+- the extra memory is at most one block, as stored, at a time (a checkpoint's block is a view of
+  the file, mapped; an update's is a view of the update's tensor: none).
 """
 
 from __future__ import annotations
@@ -45,15 +47,17 @@ class ShardLoad:
 
 @dataclass(frozen=True)
 class Alloc:
-    """Allocates a model's parameters: empty, in its dtype, on its device, each with its blocks."""
+    """Allocates a model's parameters: empty, in its dtype, on its device, each with its blocks, in
+    `layout` (a kernels.packed layout of `shape`; Hugging Face's by default)."""
 
     dtype: torch.dtype
     device: torch.device | str
 
     def __call__(
-        self, shape: tuple[int, ...], *blocks: Block, padding: tuple | None = None, dtype: torch.dtype | None = None
+        self, shape: tuple[int, ...], *blocks: Block, padding: tuple | None = None, dtype: torch.dtype | None = None,
+        layout=None,
     ) -> nn.Parameter:
-        return attach(empty_param(shape, dtype or self.dtype, self.device), *blocks, padding=padding)
+        return attach(empty_param(shape, dtype or self.dtype, self.device, layout), *blocks, padding=padding)
 
 
 def attach(param: nn.Parameter, *blocks: Block, padding: tuple | None = None) -> nn.Parameter:
@@ -69,15 +73,18 @@ def check_only(module: nn.Module, *blocks: Block) -> None:
 
 
 def write(param: nn.Parameter, load: ShardLoad, source: TensorSource) -> None:
+    layout = param.weight_layout
+    layout.zero_padding(param.data)
     if load.padding is not None:
-        param.data[load.padding].zero_()
+        layout.write(param.data, load.padding, torch.zeros((), dtype=param.dtype))
     for b in load.blocks:
         if source.skips(b.name):
             continue
         block = source.read(b.name, b.shape, b.index)
         if b.view is not None:
             block = block.reshape(b.view)
-        param.data[b.dest].copy_(block[b.pick])
+        layout.write(param.data, b.dest, block[b.pick])
+        source.done(b.name)
 
 
 def load_module(module: nn.Module, source: TensorSource) -> None:
