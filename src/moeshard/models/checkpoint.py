@@ -88,8 +88,8 @@ class TensorSource:
     def block(self, name: str, index: tuple) -> torch.Tensor:
         raise NotImplementedError
 
-    def done(self, name: str) -> None:
-        """A block of `name` is written: memory held only to read it may go."""
+    def release(self, block: torch.Tensor) -> None:
+        """`block` (as `block` returned it) is written: memory held only to read it may go."""
 
     def check(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse a missing tensor or one whose full shape is not `shape`; count it as read."""
@@ -125,7 +125,7 @@ class TensorDict(TensorSource):
 
 class MappedFile:
     """A safetensors file mapped into memory: each tensor a view of the mapping (pages are read on
-    first touch, and `release` hands a tensor's pages back: the file stays in the page cache, out
+    first touch, and `release` hands a view's pages back: the file stays in the page cache, out
     of this process's resident memory)."""
 
     def __init__(self, path: Path):
@@ -136,6 +136,7 @@ class MappedFile:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.start = 8 + header_bytes
         self.entries = {name: e for name, e in header.items() if name != "__metadata__"}
+        self.address = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()  # of the mapping's first byte
 
     def tensor(self, name: str) -> torch.Tensor:
         entry = self.entries[name]
@@ -145,11 +146,15 @@ class MappedFile:
             if end > begin else torch.empty(0, dtype=dtype)
         return flat.view(entry["shape"])
 
-    def release(self, name: str) -> None:
-        begin, end = (self.start + offset for offset in self.entries[name]["data_offsets"])
+    def release(self, view: torch.Tensor) -> None:
+        """Hand back the pages a view of the mapping spans (the file stays in the page cache: a later
+        read of them faults them in again)."""
+        if view.numel() == 0:
+            return
+        begin = view.data_ptr() - self.address
+        end = begin + (sum((n - 1) * s for n, s in zip(view.shape, view.stride())) + 1) * view.element_size()
         first = begin - begin % mmap.PAGESIZE
-        if end > first:
-            self.map.madvise(mmap.MADV_DONTNEED, first, end - first)
+        self.map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 class Checkpoint(TensorSource):
@@ -160,12 +165,14 @@ class Checkpoint(TensorSource):
         super().__init__(f"checkpoint {self.directory.name}")
         self.handles: dict[str, object] = {}
         self.files: dict[str, MappedFile] = {}
+        self.mapped: list[MappedFile] = []
         for path in safetensors_files(self.directory):
             try:
                 handle = safe_open(str(path), framework="pt")  # checks the header against the file
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"{path.name} is not a readable safetensors file (truncated?): {exc}.") from None
             mapped = MappedFile(path)
+            self.mapped.append(mapped)
             for name in handle.keys():
                 self.handles[name], self.files[name] = handle, mapped
 
@@ -187,8 +194,10 @@ class Checkpoint(TensorSource):
         full = self.files[name].tensor(name)
         return full[index] if index else full
 
-    def done(self, name: str) -> None:
-        self.files[name].release(name)
+    def release(self, block: torch.Tensor) -> None:
+        for mapped in self.mapped:
+            if 0 <= block.data_ptr() - mapped.address < len(mapped.map):
+                mapped.release(block)
 
     def finish(self, unused_ok: Callable[[str], bool] = lambda name: False, error: str | None = None) -> None:
         """Refuse tensors that no rank read, unless `unused_ok`; raise any rank's `error`.

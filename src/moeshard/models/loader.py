@@ -8,8 +8,9 @@ parameter's layout (moeshard.kernels.packed: Hugging Face's, or the kernels' pac
 
 - no module is built during a load (layer names, the KV-cache registry and derived tensors are
   left alone), and parameters keep their identity (compiled graphs and sleep/wake hold them);
-- the extra memory is at most one block, as stored, at a time (a checkpoint's block is a view of
-  the file, mapped; an update's is a view of the update's tensor: none).
+- the extra memory is small: a checkpoint's block is a view of the file, mapped, written
+  `PIECE_BYTES` at a time, each piece's pages handed back once written; an update's block is a view
+  of the update's tensor (none).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torch import nn
 
 from moeshard.models.checkpoint import TensorSource
 from moeshard.moe.weights import empty_param
+
+PIECE_BYTES = 64 * 2**20  # a block is written this much at a time (whole 64-row panels where it can)
+PANEL_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,26 @@ def write(param: nn.Parameter, load: ShardLoad, source: TensorSource) -> None:
         block = source.read(b.name, b.shape, b.index)
         if b.view is not None:
             block = block.reshape(b.view)
-        layout.write(param.data, b.dest, block[b.pick])
-        source.done(b.name)
+        for dest, piece in pieces(b.dest, block[b.pick], layout.shape):
+            layout.write(param.data, dest, piece)
+            source.release(piece)
+
+
+def pieces(dest: tuple, values: torch.Tensor, shape: tuple[int, ...]):
+    """`values` (the block at `dest` of a weight of logical shape `shape`) as (dest, piece) pairs of
+    at most ~PIECE_BYTES, cut along the block's first dim (the first dim `dest` slices)."""
+    full = tuple(dest) + (slice(None),) * (len(shape) - len(dest))
+    at = next((i for i, d in enumerate(full) if isinstance(d, slice)), None)
+    row_bytes = values[0].numel() * values.element_size() if values.dim() else 0
+    if at is None or values.numel() * values.element_size() <= PIECE_BYTES or row_bytes == 0:
+        yield dest, values
+        return
+    rows = range(*full[at].indices(shape[at]))
+    step = max(1, PIECE_BYTES // row_bytes)
+    step = step // PANEL_ROWS * PANEL_ROWS or step
+    for first in range(0, len(rows), step):
+        last = min(first + step, len(rows))
+        yield (*full[:at], slice(rows.start + first, rows.start + last), *full[at + 1 :]), values[first:last]
 
 
 def load_module(module: nn.Module, source: TensorSource) -> None:
