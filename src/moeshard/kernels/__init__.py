@@ -10,8 +10,8 @@ Every output element is accumulated over the inputs in one fixed order, so
 a row's result does not depend on the other rows of the batch: batch-invariant mode
 (runtime.invariance) runs every product on these kernels, and refuses to start where they do not run.
 
-The kernels are built on first use with torch's cpp_extension (~20 s, then cached), one source
-with the flags of the CPU's build (`FLAGS`, `isa`):
+The kernels are built on first use with torch's cpp_extension (~20 s, then cached), one library
+(cpu.cpp, and pack.cpp: a block of rows into panels) with the flags of the CPU's build (`FLAGS`, `isa`):
 - "avx512_bf16" (the CPU has AVX512-BF16): they serve bf16 and fp32, in every mode;
 - "avx2" (AVX2 + FMA, no AVX512-BF16: cpu.cpp's 16 lanes as two 256-bit halves; bits that differ from
   the AVX-512 build's, as deterministic and row-independent): they serve bf16 in every mode (1.4–4.9×
