@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from moeshard import kernels
 from moeshard.models import kv_cache
 from moeshard.runtime import invariance
-from moeshard.runtime.memory import fill_poison
 
 pytestmark = pytest.mark.skipif(
     not kernels.built(), reason="no moeshard CPU kernels here: neither AVX512-BF16 nor AVX2 + FMA (or no compiler)"

@@ -14,7 +14,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeshard import kernels

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeshard import kernels
 from moeshard.kernels import packed
 from moeshard.moe.config import RouterConfig
 from moeshard.moe.functional import sigmoid
