@@ -196,23 +196,6 @@ def test_paged_attention_equals_the_torch_path(window, q_dtype, cache_dtype, G, 
     assert torch.equal(got[-3:], torch.zeros_like(got[-3:]))
 
 
-def test_poison_in_the_packed_weights_is_what_a_rebuild_removes():
-    """Packed weights are derived tensors: a rebuild recomputes them from the weights in place."""
-    from moeshard.runtime import derived
-    from torch import nn
-
-    owner = nn.Module()
-    weight = torch.randn(40, 32).bfloat16()
-    kernels.register_packed(owner, "packed", weight)
-    first = owner.packed
-    fill_poison(owner.packed)
-    weight.copy_(torch.randn(40, 32).bfloat16())
-    storage = owner.packed.data_ptr()
-    derived.rebuild([owner])
-    assert owner.packed is first and torch.equal(owner.packed, kernels.pack(weight))
-    assert owner.packed.data_ptr() == storage  # written in place: an update needs no second copy
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packing_into_memory_equals_packing_anew(dtype):
     g = torch.Generator().manual_seed(1)

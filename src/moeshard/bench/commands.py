@@ -1,4 +1,4 @@
-"""The "benchmark" commands: `bench layer | lm-head | kernels | e2e | serve | soak` (docs/benchmarks.md).
+"""The "benchmark" commands: `bench layer | lm-head | kernels | e2e | load | serve | soak` (docs/benchmarks.md).
 Each prints ratios against a peer measured in the same run."""
 
 from __future__ import annotations
@@ -60,6 +60,18 @@ def add_commands(registry: Registry) -> None:
     be2e.add_argument("--plot", metavar="PNG", help="tokens/s against concurrency, one panel per model, dtype, threads")
     be2e.add_argument("--json", metavar="PATH")
     be2e.set_defaults(run=lazy("moeshard.bench.e2e", "run_bench_e2e"))
+    bload = registry.command(
+        "benchmark", "bench load", "load time, weights held and peak memory, with the kernels' packed weights and without",
+        "moeshard bench load --model-shape qwen3-30b-a3b --threads 1 --repeats 3", under=bench,
+    )
+    bload.add_argument("--model", default=None, metavar="DIR", help="a checkpoint to load (default: bench e2e's random model, written for the run)")
+    bload.add_argument("--model-shape", default="qwen3-30b-a3b", help="small or qwen3-30b-a3b (see bench e2e)")
+    bload.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    bload.add_argument("--threads", type=int, default=1)
+    bload.add_argument("--repeats", type=int, default=3, help="loads per setting, alternated; medians and spread reported")
+    bload.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one load, in a process of its own
+    bload.add_argument("--json", metavar="PATH")
+    bload.set_defaults(run=lazy("moeshard.bench.load", "run_bench_load"))
     bsrv = registry.command(
         "benchmark", "bench serve", "a serving benchmark client (vllm bench serve's shape), optionally against transformers serve",
         "moeshard bench serve --against vllm --max-concurrency 16 --repeats 5 --threads 1", under=bench,

@@ -15,6 +15,7 @@ decoding, times whole engine steps (schedule, forward, sampling, bookkeeping), t
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -111,10 +112,11 @@ def step_gflop(model, sequences: int, context: int) -> float:
     top-k experts, the LM head) and its attention (scores and values) over `context` positions."""
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     skip = {id(p) for m in experts for p in m.parameters()} | {id(p) for p in model.embed.parameters()}
-    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in skip)
+    weights = lambda params: sum(math.prod(p.weight_layout.shape) for p in params if len(p.weight_layout.shape) >= 2)  # noqa: E731
+    matrices = weights(p for p in model.parameters() if id(p) not in skip)
     if model.lm_head is model.embed:
-        matrices += model.embed.weight_VD.numel()
-    routed = sum(m.cfg.router.top_k * sum(p.numel() for p in m.experts.parameters()) // m.experts.w13_LFD.shape[0]
+        matrices += weights([model.embed.weight_VD])
+    routed = sum(m.cfg.router.top_k * weights(m.experts.parameters()) // m.experts.w13_LFD.shape[0]
                  for m in model.modules() if isinstance(m, MoELayer))
     attention = 0
     for layer in model.layers:

@@ -4,9 +4,9 @@ the paged cache, RMSNorm and rotary (cpu.cpp): on AVX512-BF16, or on AVX2 + FMA 
 Why a kernel of our own (measured on the 2-core development CPU, one thread, docs/perf.md): torch's
 bf16 `F.linear` reads a weight at 5–8 GB/s at decode sizes (M = 1–8 rows), and `F.grouped_mm` on
 the CPU loops over experts one `mm` at a time (in bf16 and fp32); this kernel streams a weight at
-memory bandwidth at M = 1 and reaches oneDNN's throughput from M ≈ 64. Its prepacked weights are
-derived tensors (runtime.derived): computed from the weights, rebuilt after every load, update and
-wake, released by sleep. Every output element is accumulated over the inputs in one fixed order, so
+memory bandwidth at M = 1 and reaches oneDNN's throughput from M ≈ 64. A weight they serve is
+held only in their packed layout (packed.py: the loader writes checkpoint blocks straight into it).
+Every output element is accumulated over the inputs in one fixed order, so
 a row's result does not depend on the other rows of the batch: batch-invariant mode
 (runtime.invariance) runs every product on these kernels, and refuses to start where they do not run.
 
@@ -33,9 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from moeshard.runtime import derived, invariance
+from moeshard.runtime import invariance
 
 PANEL = 64  # outputs per packed panel (four vectors of 16)
 # One source, two builds (cpu.cpp picks its vector layer from the target the flags give the compiler).
@@ -68,6 +66,7 @@ def isa() -> str | None:
 
 
 _SOURCE = Path(__file__).with_name("cpu.cpp").resolve()
+_SOURCES = (_SOURCE, _SOURCE.with_name("pack.cpp"))  # the kernels; writing blocks into packed panels (packed.py)
 
 
 def build_directory(build: str) -> Path:
@@ -76,8 +75,8 @@ def build_directory(build: str) -> Path:
     turn), flags, torch and Python."""
     from torch.utils import cpp_extension
 
-    built_by = f"{_SOURCE} {' '.join(FLAGS[build])} torch {torch.__version__} python {sys.version}"
-    digest = hashlib.sha256(_SOURCE.read_bytes() + built_by.encode()).hexdigest()[:16]
+    built_by = f"{_SOURCES} {' '.join(FLAGS[build])} torch {torch.__version__} python {sys.version}"
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + built_by.encode()).hexdigest()[:16]
     return Path(cpp_extension.get_default_build_root()) / f"moeshard_cpu_{digest}"
 
 
@@ -112,11 +111,11 @@ def built() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    source, flags, directory = _SOURCE, FLAGS[build], build_directory(build)
+    flags, directory = FLAGS[build], build_directory(build)
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with _building(directory):
-            cpp_extension.load("moeshard_cpu", [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            cpp_extension.load("moeshard_cpu", [str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                build_directory=str(directory), is_python_module=False)
     except Exception as exc:  # no compiler, no ninja: serve with torch's ops rather than not at all
         log.warning("moeshard: the CPU kernels did not build (%s); using torch's ops", exc)
@@ -133,7 +132,7 @@ def built() -> bool:
     return True
 
 
-def _step(dtype: torch.dtype) -> int:
+def step(dtype: torch.dtype) -> int:
     """Inputs the kernel reads per step: bf16 in pairs (one `vdpbf16ps`), fp32 one at a time."""
     return 2 if dtype == torch.bfloat16 else 1
 
@@ -155,15 +154,15 @@ def runs(t: torch.Tensor) -> bool:
 
 def serves(weight: torch.Tensor) -> bool:
     """Whether products with `weight` run on these kernels: `runs`, and its inputs fill whole steps."""
-    return runs(weight) and weight.shape[-1] % _step(weight.dtype) == 0
+    return runs(weight) and weight.shape[-1] % step(weight.dtype) == 0
 
 
 def pack(w_NK: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[..., N, K] → [..., ceil(N/64), K/s, 64, s] (s = `_step`): a panel's 64 outputs' values of
+    """[..., N, K] → [..., ceil(N/64), K/s, 64, s] (s = `step`): a panel's 64 outputs' values of
     one step of inputs together (zero outputs pad the last panel). Into `out` if given, copied
     straight from strided views: no scratch the size of the weight."""
     *lead, N, K = w_NK.shape
-    panels, s = -(-N // PANEL), _step(w_NK.dtype)
+    panels, s = -(-N // PANEL), step(w_NK.dtype)
     if out is None:
         out = w_NK.new_empty((*lead, panels, K // s, PANEL, s))
     full, left = divmod(N, PANEL)
@@ -179,7 +178,8 @@ def pack(w_NK: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def _padded(intermediate: int) -> int:
+def padded_intermediate(intermediate: int) -> int:
+    """A SwiGLU's intermediate size as the kernels read it: a multiple of 32 (zero rows and inputs past it)."""
     return -(-intermediate // (PANEL // 2)) * (PANEL // 2)
 
 
@@ -201,41 +201,22 @@ def pack_gate_up(gate_up_LFD: torch.Tensor, out: torch.Tensor | None = None) -> 
 
     def pack_one(gate_up_FD: torch.Tensor) -> torch.Tensor:
         I, D = gate_up_FD.shape[0] // 2, gate_up_FD.shape[1]
-        halves = [F.pad(h, (0, 0, 0, _padded(I) - I)).view(-1, PANEL // 4, D) for h in gate_up_FD.chunk(2)]
-        return pack(torch.stack(halves, dim=1).reshape(2 * _padded(I), D))
+        halves = [F.pad(h, (0, 0, 0, padded_intermediate(I) - I)).view(-1, PANEL // 4, D) for h in gate_up_FD.chunk(2)]
+        return pack(torch.stack(halves, dim=1).reshape(2 * padded_intermediate(I), D))
 
     return _per_expert(pack_one, gate_up_LFD, out)
 
 
 def pack_down(down_LDI: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU down weights ([L, D, I] or [D, I]) → packed, zero columns up to the padded I."""
-    return _per_expert(lambda down_DI: pack(F.pad(down_DI, (0, _padded(down_DI.shape[-1]) - down_DI.shape[-1]))),
+    return _per_expert(lambda down_DI: pack(F.pad(down_DI, (0, padded_intermediate(down_DI.shape[-1]) - down_DI.shape[-1]))),
                        down_LDI, out)
-
-
-def register_packed(owner: nn.Module, attr: str, weight: torch.Tensor, packer=pack) -> None:
-    """`owner.attr` = `packer(weight)` as a derived tensor where these kernels serve `weight`
-    (a non-persistent buffer, so compiled graphs see static shapes), else None."""
-    owner.register_buffer(attr, None, persistent=False)
-    if serves(weight):
-        derived.register(owner, attr, functools.partial(packer, weight), in_place=True)
-    elif invariance.batch_invariant():
-        raise ValueError(
-            f"batch-invariant mode runs every product on moeshard's CPU kernels, which cannot take "
-            f"{type(owner).__name__}.{attr}'s weight ({list(weight.shape)}, {weight.dtype}, {weight.device})."
-        )
-
-
-def register_swiglu(owner: nn.Module, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-    """`owner.gate_up_packed` and `owner.down_packed` (see register_packed) for a SwiGLU's weights."""
-    register_packed(owner, "gate_up_packed", gate_up, pack_gate_up)
-    register_packed(owner, "down_packed", down, pack_down)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[..., K] as [M, K] rows the kernels read in steps: unit stride, a row stride of whole steps."""
     rows = x.reshape(-1, x.shape[-1])
-    return rows.contiguous() if rows.stride(-1) != 1 or rows.stride(0) % _step(x.dtype) else rows
+    return rows.contiguous() if rows.stride(-1) != 1 or rows.stride(0) % step(x.dtype) else rows
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, fp32_out: bool = False) -> torch.Tensor:
@@ -252,10 +233,12 @@ def grouped_swiglu(
 
 
 def swiglu(x_TD: torch.Tensor, gate_up_packed: torch.Tensor, down_packed: torch.Tensor) -> torch.Tensor:
-    """One SwiGLU (packed as one expert) over every row."""
+    """One SwiGLU over every row: its weights packed as one expert ([1, ...]), or without the
+    expert dim (a dense MLP's packed weights, packed.GateUpPanels and Panels with no leading dim)."""
     rows_TD = _rows(x_TD)
     ends_1 = torch.full((1,), rows_TD.shape[0], dtype=torch.int32)
-    return grouped_swiglu(rows_TD, gate_up_packed, down_packed, ends_1).view(x_TD.shape)
+    one = lambda w: w if w.dim() == 5 else w.unsqueeze(0)  # noqa: E731
+    return grouped_swiglu(rows_TD, one(gate_up_packed), one(down_packed), ends_1).view(x_TD.shape)
 
 
 def paged_attention(

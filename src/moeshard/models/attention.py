@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard import kernels
+from moeshard.kernels import packed
 from moeshard.models import kv_cache
 from moeshard.models.config import AttentionConfig, ModelConfig
 from moeshard.models.kv_cache import CacheSpec, KVCache
@@ -48,21 +49,21 @@ def heads_rows(heads: slice, dim: int) -> slice:
 
 class Linear(nn.Module):
     """A block of checkpoint linear `name` (`shape` = [out, in]): `rows` and `cols` of
-    `name.weight`, and the same rows of `name.bias`."""
+    `name.weight` (stored in the kernels' panels where they serve it), and the same rows of `name.bias`."""
 
     def __init__(
         self, alloc: Alloc, name: str, shape: tuple[int, int], rows=slice(None), cols=slice(None), bias: bool = False
     ):
         super().__init__()
         O, I = size(rows, shape[0]), size(cols, shape[1])
-        self.weight_OI = alloc((O, I), Block(f"{name}.weight", shape, (rows, cols)))
+        self.layout = packed.for_linear((O, I), alloc.dtype, alloc.device, name)
+        self.weight_OI = alloc((O, I), Block(f"{name}.weight", shape, (rows, cols)), layout=self.layout)
         self.bias_O = alloc((O,), Block(f"{name}.bias", shape[:1], (rows,))) if bias else None
-        kernels.register_packed(self, "packed_OI", self.weight_OI)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_OI is None:
+        if not self.layout.packed:
             return F.linear(x, self.weight_OI, self.bias_O)
-        y = kernels.linear(x, self.packed_OI, self.weight_OI.shape[0])
+        y = self.layout.linear(x, self.weight_OI)
         return y if self.bias_O is None else y + self.bias_O
 
 
@@ -157,14 +158,16 @@ class LatentAttention(AttentionBase):
             index=(heads_rows(self.heads, nope + Dv),),
             view=(H, nope + Dv, C),
         )
-        self.w_uk_Hnc = alloc((H, nope, C), Block(**kv_b, pick=(slice(None), slice(0, nope))))
-        self.w_uv_Hec = alloc((H, Dv, C), Block(**kv_b, pick=(slice(None), slice(nope, None))))
         # Batch-invariant mode: the per-head products on moeshard.kernels (einsum's bmm may choose
-        # its kernel by the batch), weights packed per head.
+        # its kernel by the batch), the weights stored as panels per head (the key's transposed).
         self.per_head_kernels = invariance.batch_invariant()
+        uk, uv = packed.Plain((H, nope, C)), packed.Plain((H, Dv, C))
         if self.per_head_kernels:
-            kernels.register_packed(self, "packed_uk_Hcn", self.w_uk_Hnc, lambda w, out=None: kernels.pack(w.transpose(1, 2), out))
-            kernels.register_packed(self, "packed_uv_Hec", self.w_uv_Hec)
+            what = f"{prefix}.kv_b_proj"
+            uk = packed.TransposedPanels(uk.shape, packed.for_linear((H, C, nope), alloc.dtype, alloc.device, what))
+            uv = packed.for_linear(uv.shape, alloc.dtype, alloc.device, what)
+        self.w_uk_Hnc = alloc(uk.shape, Block(**kv_b, pick=(slice(None), slice(0, nope))), layout=uk)
+        self.w_uv_Hec = alloc(uv.shape, Block(**kv_b, pick=(slice(None), slice(nope, None))), layout=uv)
         self.add_o_proj(alloc, prefix, cfg)
 
     def cache_spec(self) -> CacheSpec:
@@ -180,17 +183,17 @@ class LatentAttention(AttentionBase):
         latent_T1c = self.kv_a_norm(latent_Tc).unsqueeze(1)
         k_rope_T1r = rotary(k_rope_Tr.unsqueeze(1), positions_T)
         if self.per_head_kernels:
-            q_latent_THc = per_head(q_nope_THn, self.packed_uk_Hcn, att.kv_lora_rank)
+            q_latent_THc = per_head(q_nope_THn, self.w_uk_Hnc, att.kv_lora_rank)
         else:
             q_latent_THc = torch.einsum("thn,hnc->thc", q_nope_THn, self.w_uk_Hnc)
         q_THd = torch.cat([q_latent_THc, rotary(q_rope_THr, positions_T)], dim=-1)
         k_T1d = torch.cat([latent_T1c, k_rope_T1r], dim=-1)
         o_latent_THc = kv_cache.paged_attention(q_THd, k_T1d, latent_T1c, self.name)
         if self.per_head_kernels:
-            return self.project_out(per_head(o_latent_THc, self.packed_uv_Hec, att.v_head_dim))
+            return self.project_out(per_head(o_latent_THc, self.w_uv_Hec, att.v_head_dim))
         return self.project_out(torch.einsum("thc,hec->the", o_latent_THc, self.w_uv_Hec))
 
 
 def per_head(x_THi: torch.Tensor, packed_H: torch.Tensor, out_features: int) -> torch.Tensor:
-    """Head h of `x_THi` times head h of a per-head packed weight: [T, H, out_features]."""
+    """Head h of `x_THi` times head h of a weight stored as panels per head: [T, H, out_features]."""
     return torch.stack([kernels.linear(x_THi[:, h], packed_H[h], out_features) for h in range(x_THi.shape[1])], 1)

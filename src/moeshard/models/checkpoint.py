@@ -1,6 +1,8 @@
 """Read a Hugging Face checkpoint directory: config.json and one or many *.safetensors files.
 
-Each rank reads only the blocks it holds (`safe_open(...).get_slice(name)[index]`). Every read is
+Each rank reads only the blocks it holds, as views of the file mapped into memory (no copy: the
+loader writes a block straight into its parameter), and hands each tensor's pages back once its
+block is written, so a load holds the weights plus one tensor of the file at a time. Every read is
 checked against the full shape the config implies, and the reader remembers what was read, so that
 `finish` can refuse a checkpoint holding tensors no rank used.
 """
@@ -8,7 +10,9 @@ checked against the full shape the config implies, and the reader remembers what
 from __future__ import annotations
 
 import json
+import mmap
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +88,9 @@ class TensorSource:
     def block(self, name: str, index: tuple) -> torch.Tensor:
         raise NotImplementedError
 
+    def release(self, block: torch.Tensor) -> None:
+        """`block` (as `block` returned it) is written: memory held only to read it may go."""
+
     def check(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse a missing tensor or one whose full shape is not `shape`; count it as read."""
         if name not in self:
@@ -116,6 +123,40 @@ class TensorDict(TensorSource):
         return self.tensors[name][index] if index else self.tensors[name]
 
 
+class MappedFile:
+    """A safetensors file mapped into memory: each tensor a view of the mapping (pages are read on
+    first touch, and `release` hands a view's pages back: the file stays in the page cache, out
+    of this process's resident memory)."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            (header_bytes,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_bytes))
+            # Copy-on-write (nothing writes it): torch.frombuffer takes a writable buffer without a warning.
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.start = 8 + header_bytes
+        self.entries = {name: e for name, e in header.items() if name != "__metadata__"}
+        self.address = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()  # of the mapping's first byte
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        flat = torch.frombuffer(self.map, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=self.start + begin) \
+            if end > begin else torch.empty(0, dtype=dtype)
+        return flat.view(entry["shape"])
+
+    def release(self, view: torch.Tensor) -> None:
+        """Hand back the pages a view of the mapping spans (the file stays in the page cache: a later
+        read of them faults them in again)."""
+        if view.numel() == 0:
+            return
+        begin = view.data_ptr() - self.address
+        end = begin + (sum((n - 1) * s for n, s in zip(view.shape, view.stride())) + 1) * view.element_size()
+        first = begin - begin % mmap.PAGESIZE
+        self.map.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
 class Checkpoint(TensorSource):
     """The tensors of a checkpoint directory, by name (headers only until a tensor is read)."""
 
@@ -123,13 +164,17 @@ class Checkpoint(TensorSource):
         self.directory = Path(directory)
         super().__init__(f"checkpoint {self.directory.name}")
         self.handles: dict[str, object] = {}
+        self.files: dict[str, MappedFile] = {}
+        self.mapped: list[MappedFile] = []
         for path in safetensors_files(self.directory):
             try:
-                handle = safe_open(str(path), framework="pt")
+                handle = safe_open(str(path), framework="pt")  # checks the header against the file
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"{path.name} is not a readable safetensors file (truncated?): {exc}.") from None
+            mapped = MappedFile(path)
+            self.mapped.append(mapped)
             for name in handle.keys():
-                self.handles[name] = handle
+                self.handles[name], self.files[name] = handle, mapped
 
     def __contains__(self, name: str) -> bool:
         return name in self.handles
@@ -144,7 +189,15 @@ class Checkpoint(TensorSource):
         return SAFETENSORS_DTYPES[stored]
 
     def block(self, name: str, index: tuple) -> torch.Tensor:
-        return self.handles[name].get_slice(name)[index] if index else self.handles[name].get_tensor(name)
+        """A view of the mapped file: read from disk (or the page cache) as it is copied."""
+        self.stored_dtype(name)
+        full = self.files[name].tensor(name)
+        return full[index] if index else full
+
+    def release(self, block: torch.Tensor) -> None:
+        for mapped in self.mapped:
+            if 0 <= block.data_ptr() - mapped.address < len(mapped.map):
+                mapped.release(block)
 
     def finish(self, unused_ok: Callable[[str], bool] = lambda name: False, error: str | None = None) -> None:
         """Refuse tensors that no rank read, unless `unused_ok`; raise any rank's `error`.

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard import kernels
+from moeshard.kernels import packed
 from moeshard.runtime import derived
 from moeshard.models.archs import yarn_mscale
 from moeshard.models.config import RopeConfig
@@ -135,7 +136,8 @@ class Rotary(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows of the (padded) vocabulary split over TP; the LM head is one too (`logits`), or shares
-    the embedding's when tied.
+    the embedding's when tied. An LM head's weight is stored as the kernels' panels where they serve
+    it (a tied embedding then gathers its rows out of the panels).
 
     Chosen over a replicated table (`moeshard bench lm-head`, 152k × 2048 bf16, TP=2, 2-core CPU):
     each rank holds half the weight (297 vs 594 MiB, twice that untied), and decode-sized logits
@@ -143,33 +145,32 @@ class VocabParallelEmbedding(nn.Module):
     it 0.92×, and an engine computes logits only for each sequence's last row.
     """
 
-    def __init__(self, alloc: Alloc, name: str, vocab: int, hidden: int, parallel: ParallelState):
+    def __init__(self, alloc: Alloc, name: str, vocab: int, hidden: int, parallel: ParallelState, head: bool):
         super().__init__()
         tp, t = parallel.layout.tp, parallel.tp_rank
         self.vocab, self.rows = vocab, -(-vocab // tp)
         self.start = t * self.rows
         real = max(0, min(self.rows, vocab - self.start))
         mine = Block(name, (vocab, hidden), (slice(self.start, self.start + real),), (slice(0, real),))
-        self.weight_VD = alloc((self.rows, hidden), mine, padding=(slice(real, None),))
-        self.register_buffer("packed_VD", None, persistent=False)  # the LM head's, see CausalLM
+        shape = (self.rows, hidden)
+        self.layout = packed.for_linear(shape, alloc.dtype, alloc.device, "the LM head") if head else packed.Plain(shape)
+        self.weight_VD = alloc(shape, mine, padding=(slice(real, None),), layout=self.layout)
         self.comm = TPComm(parallel)
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
         if self.comm.tp == 1:
-            return F.embedding(ids_T, self.weight_VD)
+            return self.layout.rows(self.weight_VD, ids_T)
         local_T = ids_T - self.start
         mine_T = (local_T >= 0) & (local_T < self.rows)
         # Rows of other ranks' ids are filled, not multiplied, with 0: the row read for them is
         # never trusted to be finite.
-        x_TD = F.embedding(local_T.clamp(0, self.rows - 1), self.weight_VD).masked_fill(~mine_T.unsqueeze(-1), 0)
+        x_TD = self.layout.rows(self.weight_VD, local_T.clamp(0, self.rows - 1)).masked_fill(~mine_T.unsqueeze(-1), 0)
         return self.comm.reduce(x_TD)
 
     def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
         """[N, D] (every row, not an SP slice) → [N, vocab]: each rank's block of columns, gathered."""
-        if self.packed_VD is not None:  # logits come out of the fp32 accumulator, never rounded to bf16
-            logits_NV = kernels.linear(x_ND, self.packed_VD, self.rows, fp32_out=True)
-        else:
-            logits_NV = F.linear(x_ND, self.weight_VD)
+        # On the kernels, logits come out of the fp32 accumulator, never rounded to bf16.
+        logits_NV = self.layout.linear(x_ND, self.weight_VD, fp32_out=True)
         if self.comm.tp > 1:
             logits_NV = ops.tp_all_gather(logits_NV.T.contiguous()).T
         return logits_NV[:, : self.vocab]
@@ -202,10 +203,11 @@ class DenseMLP(nn.Module):
         rows = block(intermediate, parallel.tp_rank, parallel.layout.tp)
         gate_up, down = swiglu_blocks(prefix, hidden, intermediate, rows)
         I = size(rows, intermediate)
-        self.gate_up_FD, self.down_DI = alloc((2 * I, hidden), *gate_up), alloc((hidden, I), down)
-        kernels.register_swiglu(self, self.gate_up_FD, self.down_DI)
+        gate_up_layout, down_layout = packed.for_swiglu((2 * I, hidden), (hidden, I), alloc.dtype, alloc.device, prefix)
+        self.gate_up_FD = alloc((2 * I, hidden), *gate_up, layout=gate_up_layout)
+        self.down_DI = alloc((hidden, I), down, layout=down_layout)
+        self.packed = gate_up_layout.packed
         self.comm = TPComm(parallel)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        packed = (self.gate_up_packed, self.down_packed)
-        return self.comm.reduce(swiglu(self.comm.gather_rows(x_TD), self.gate_up_FD, self.down_DI, packed))
+        return self.comm.reduce(swiglu(self.comm.gather_rows(x_TD), self.gate_up_FD, self.down_DI, self.packed))

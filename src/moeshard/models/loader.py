@@ -3,11 +3,14 @@
 A module allocates its parameters from the config's shapes alone (this rank's shard shapes) and
 attaches to each one a `ShardLoad`: which blocks of which checkpoint tensors it is made of, and
 where each block goes. `load_weights` reads one block at a time from a TensorSource (a checkpoint
-directory or an update's tensors) and copies it into the parameter's existing storage, so:
+directory or an update's tensors) and writes it into the parameter's existing storage through the
+parameter's layout (moeshard.kernels.packed: Hugging Face's, or the kernels' packed panels), so:
 
 - no module is built during a load (layer names, the KV-cache registry and derived tensors are
   left alone), and parameters keep their identity (compiled graphs and sleep/wake hold them);
-- the extra memory is one block, as stored, at a time (an update's block is a view: none).
+- the extra memory is small: a checkpoint's block is a view of the file, mapped, written
+  `PIECE_BYTES` at a time, each piece's pages handed back once written; an update's block is a view
+  of the update's tensor (none).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from torch import nn
 
 from moeshard.models.checkpoint import TensorSource
 from moeshard.moe.weights import empty_param
+
+PIECE_BYTES = 64 * 2**20  # a block is written this much at a time (whole 64-row panels where it can)
+PANEL_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -45,15 +51,17 @@ class ShardLoad:
 
 @dataclass(frozen=True)
 class Alloc:
-    """Allocates a model's parameters: empty, in its dtype, on its device, each with its blocks."""
+    """Allocates a model's parameters: empty, in its dtype, on its device, each with its blocks, in
+    `layout` (a kernels.packed layout of `shape`; Hugging Face's by default)."""
 
     dtype: torch.dtype
     device: torch.device | str
 
     def __call__(
-        self, shape: tuple[int, ...], *blocks: Block, padding: tuple | None = None, dtype: torch.dtype | None = None
+        self, shape: tuple[int, ...], *blocks: Block, padding: tuple | None = None, dtype: torch.dtype | None = None,
+        layout=None,
     ) -> nn.Parameter:
-        return attach(empty_param(shape, dtype or self.dtype, self.device), *blocks, padding=padding)
+        return attach(empty_param(shape, dtype or self.dtype, self.device, layout), *blocks, padding=padding)
 
 
 def attach(param: nn.Parameter, *blocks: Block, padding: tuple | None = None) -> nn.Parameter:
@@ -69,15 +77,36 @@ def check_only(module: nn.Module, *blocks: Block) -> None:
 
 
 def write(param: nn.Parameter, load: ShardLoad, source: TensorSource) -> None:
+    layout = param.weight_layout
+    layout.zero_padding(param.data)
     if load.padding is not None:
-        param.data[load.padding].zero_()
+        layout.write(param.data, load.padding, torch.zeros((), dtype=param.dtype))
     for b in load.blocks:
         if source.skips(b.name):
             continue
         block = source.read(b.name, b.shape, b.index)
         if b.view is not None:
             block = block.reshape(b.view)
-        param.data[b.dest].copy_(block[b.pick])
+        for dest, piece in pieces(b.dest, block[b.pick], layout.shape):
+            layout.write(param.data, dest, piece)
+            source.release(piece)
+
+
+def pieces(dest: tuple, values: torch.Tensor, shape: tuple[int, ...]):
+    """`values` (the block at `dest` of a weight of logical shape `shape`) as (dest, piece) pairs of
+    at most ~PIECE_BYTES, cut along the block's first dim (the first dim `dest` slices)."""
+    full = tuple(dest) + (slice(None),) * (len(shape) - len(dest))
+    at = next((i for i, d in enumerate(full) if isinstance(d, slice)), None)
+    row_bytes = values[0].numel() * values.element_size() if values.dim() else 0
+    if at is None or values.numel() * values.element_size() <= PIECE_BYTES or row_bytes == 0:
+        yield dest, values
+        return
+    rows = range(*full[at].indices(shape[at]))
+    step = max(1, PIECE_BYTES // row_bytes)
+    step = step // PANEL_ROWS * PANEL_ROWS or step
+    for first in range(0, len(rows), step):
+        last = min(first + step, len(rows))
+        yield (*full[:at], slice(rows.start + first, rows.start + last), *full[at + 1 :]), values[first:last]
 
 
 def load_module(module: nn.Module, source: TensorSource) -> None:

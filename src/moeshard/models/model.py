@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moeshard import kernels
 from moeshard.runtime import derived
 from moeshard.models.archs import Architecture, CheckpointNames, parse_config
 from moeshard.models.attention import Attention, LatentAttention, check_heads
@@ -166,7 +165,8 @@ class CausalLM(nn.Module):
         check_layout(cfg, parallel.layout)
         self.cfg, self.arch, self.parallel, self.dtype = cfg, arch, parallel, dtype
         alloc = Alloc(dtype, parallel.device)
-        self.embed = VocabParallelEmbedding(alloc, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel)
+        tied = cfg.tie_embeddings
+        self.embed = VocabParallelEmbedding(alloc, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel, tied)
         self.rotary = Rotary(cfg.rope, cfg.max_positions, parallel.device)
         # Layer names are unique per process: the attention op and the MoE op find layers by name.
         self.layers = nn.ModuleList(
@@ -175,11 +175,8 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(alloc, "model.norm", cfg.hidden, cfg.rms_eps)
         self.lm_head = (
-            self.embed
-            if cfg.tie_embeddings
-            else VocabParallelEmbedding(alloc, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel)
+            self.embed if tied else VocabParallelEmbedding(alloc, "lm_head.weight", cfg.vocab_size, cfg.hidden, parallel, True)
         )
-        kernels.register_packed(self.lm_head, "packed_VD", self.lm_head.weight_VD)
         self.comm = TPComm(parallel)
 
     def parts(self) -> list[str | int]:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard import kernels
+from moeshard.kernels import packed
 from moeshard.moe.weights import empty_param
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,24 +59,24 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_local: int, hidden: int, intermediate: int, dtype: torch.dtype, device):
         super().__init__()
         L, D, I = num_local, hidden, intermediate
-        # Kept in Hugging Face's [out, in] layout and read through transposed views: on CPUs without
-        # native bf16, a contiguous [in, out] operand takes a matmul path several times slower.
-        self.w13_LFD = empty_param((L, 2 * I, D), dtype, device)
-        self.w2_LDI = empty_param((L, D, I), dtype, device)
-        kernels.register_swiglu(self, self.w13_LFD, self.w2_LDI)
+        # Stored as moeshard.kernels' panels where they serve them; else in Hugging Face's [out, in]
+        # layout, read through transposed views: on CPUs without native bf16, a contiguous [in, out]
+        # operand takes a matmul path several times slower.
+        gate_up, down = packed.for_swiglu((L, 2 * I, D), (L, D, I), dtype, device, "the routed experts")
+        self.w13_LFD = empty_param((L, 2 * I, D), dtype, device, gate_up)
+        self.w2_LDI = empty_param((L, D, I), dtype, device, down)
+        self.packed = gate_up.packed
 
     def forward(self, x_MD: torch.Tensor, group_ends_L: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x_MD, self.w13_LFD, self.w2_LDI, group_ends_L, self.gate_up_packed, self.down_packed)
+        return grouped_swiglu(x_MD, self.w13_LFD, self.w2_LDI, group_ends_L, self.packed)
 
 
-def grouped_swiglu(
-    x_MD, w13_LFD, w2_LDI, group_ends_L: torch.Tensor, gate_up_packed=None, down_packed=None
-) -> torch.Tensor:
+def grouped_swiglu(x_MD, w13_LFD, w2_LDI, group_ends_L: torch.Tensor, packed: bool = False) -> torch.Tensor:
     """Rows sorted by local expert; rows past `group_ends_L[-1]` come back undefined (see
-    `zero_rows_past_groups_` for a caller that reads them). With the weights packed for
-    moeshard.kernels, the kernels compute it."""
-    if gate_up_packed is not None:
-        return kernels.grouped_swiglu(x_MD, gate_up_packed, down_packed, group_ends_L)
+    `zero_rows_past_groups_` for a caller that reads them). With `packed` (the weights stored as
+    moeshard.kernels' panels), the kernels compute it."""
+    if packed:
+        return kernels.grouped_swiglu(x_MD, w13_LFD, w2_LDI, group_ends_L)
     gate_MI, up_MI = grouped_linear(x_MD, w13_LFD.transpose(1, 2), group_ends_L).chunk(2, dim=-1)
     return grouped_linear(F.silu(gate_MI) * up_MI, w2_LDI.transpose(1, 2), group_ends_L)
 

@@ -10,11 +10,11 @@ from moeshard.runtime import invariance
 from moeshard.runtime.graph import serving_op
 
 
-def swiglu(x_TD: torch.Tensor, gate_up_FD: torch.Tensor, down_DI: torch.Tensor, packed=None) -> torch.Tensor:
-    """`down(silu(gate(x)) * up(x))`, weights in [out, in] layout, gate rows before up rows;
-    `packed`: (gate-up, down) packed for moeshard.kernels, where they serve these weights."""
-    if packed is not None and packed[0] is not None:
-        return kernels.swiglu(x_TD, *packed)
+def swiglu(x_TD: torch.Tensor, gate_up_FD: torch.Tensor, down_DI: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """`down(silu(gate(x)) * up(x))`, gate rows before up rows; the weights in [out, in] layout, or
+    with `packed` stored as moeshard.kernels' panels (kernels.packed.for_swiglu)."""
+    if packed:
+        return kernels.swiglu(x_TD, gate_up_FD, down_DI)
     gate_TI, up_TI = F.linear(x_TD, gate_up_FD).chunk(2, dim=-1)
     return F.linear(F.silu(gate_TI) * up_TI, down_DI)
 

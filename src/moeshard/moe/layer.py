@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moeshard.runtime import derived, invariance
+from moeshard.kernels import packed
+from moeshard.runtime import invariance
 from moeshard.runtime.graph import serving_op
 from moeshard.moe.config import MoEConfig
 from moeshard.moe.context import get_forward_context
@@ -105,13 +106,12 @@ class MoELayer(nn.Module):
         """Write this rank's slices into the parameters (converted to their dtype and device)."""
         for name, param in self.shard_params().items():
             t = getattr(shard, name)
-            if (param is None) != (t is None) or (t is not None and t.shape != param.shape):
-                expected = "no tensor" if param is None else f"shape {list(param.shape)}"
+            if (param is None) != (t is None) or (t is not None and tuple(t.shape) != param.weight_layout.shape):
+                expected = "no tensor" if param is None else f"shape {list(param.weight_layout.shape)}"
                 got = "none" if t is None else f"shape {list(t.shape)}"
                 raise ValueError(f"MoE layer {self.name!r}: {name} is {got}, but the config implies {expected}.")
             if param is not None:
-                param.data.copy_(t)
-        derived.rebuild(list(self.modules()))  # the experts' packed weights (moeshard.kernels), from these
+                packed.assign(param, t)
 
     def check_input(self, x_TD: torch.Tensor) -> None:
         if x_TD.dim() != 2 or x_TD.shape[1] != self.cfg.hidden or x_TD.dtype != self.dtype:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from moeshard import kernels
+from moeshard.kernels import packed
 from moeshard.moe.config import RouterConfig
 from moeshard.moe.functional import sigmoid
 from moeshard.moe.weights import empty_param
@@ -46,18 +47,17 @@ class Router(nn.Module):
     def __init__(self, cfg: RouterConfig, num_experts: int, hidden: int, device):
         super().__init__()
         self.cfg = cfg
-        self.weight_ED = empty_param((num_experts, hidden), torch.float32, device)
-        self.score_bias_E = empty_param((num_experts,), torch.float32, device) if cfg.score_bias else None
         # Batch-invariant mode: the logits on moeshard.kernels, whose rows do not depend on the batch
-        # (torch's fp32 `mm` does); the MoE layer then routes outside compiled code.
-        if invariance.batch_invariant():
-            kernels.register_packed(self, "packed_ED", self.weight_ED)
-        else:
-            self.packed_ED = None
+        # (torch's fp32 `mm` does), the weight stored as their panels; the MoE layer then routes
+        # outside compiled code.
+        shape = (num_experts, hidden)
+        self.layout = packed.for_linear(shape, torch.float32, device, "the router") if invariance.batch_invariant() else None
+        self.weight_ED = empty_param(shape, torch.float32, device, self.layout)
+        self.score_bias_E = empty_param((num_experts,), torch.float32, device) if cfg.score_bias else None
 
     def forward(self, x_TD: torch.Tensor):
-        if self.packed_ED is not None:
-            logits_TE = kernels.linear(x_TD.float(), self.packed_ED, self.weight_ED.shape[0])
+        if self.layout is not None:
+            logits_TE = self.layout.linear(x_TD.float(), self.weight_ED)
         else:
             logits_TE = x_TD.float() @ self.weight_ED.T
         return route(logits_TE, self.cfg, self.score_bias_E)

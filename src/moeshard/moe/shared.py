@@ -14,6 +14,7 @@ from torch import nn
 
 from moeshard.moe.config import MoEConfig, SharedLayout
 from moeshard import kernels
+from moeshard.kernels import packed
 from moeshard.moe.functional import pad_rows, sigmoid, swiglu
 from moeshard.moe.weights import RankShard, empty_param
 from moeshard.parallel import ops
@@ -29,20 +30,20 @@ class SharedExperts(nn.Module):
         self.layout = cfg.shared_layout
         self.tp, self.tp_rank, self.sp = parallel.layout.tp, parallel.tp_rank, parallel.layout.sp
         D, S, device = cfg.hidden, cfg.shared_intermediate // shard.shared_parts, parallel.device
-        self.gate_up_FD, self.down_DI = empty_param((2 * S, D), dtype, device), empty_param((D, S), dtype, device)
-        kernels.register_swiglu(self, self.gate_up_FD, self.down_DI)
-        self.gate_1D = empty_param((1, D), dtype, device) if cfg.shared_gate else None
-        if self.gate_1D is not None and invariance.batch_invariant():  # see moeshard.moe.router
-            kernels.register_packed(self, "packed_gate_1D", self.gate_1D)
-        else:
-            self.packed_gate_1D = None
+        gate_up, down = packed.for_swiglu((2 * S, D), (D, S), dtype, device, "the shared experts")
+        self.gate_up_FD, self.down_DI = empty_param((2 * S, D), dtype, device, gate_up), empty_param((D, S), dtype, device, down)
+        self.packed = gate_up.packed
+        self.gate_1D, self.gate_packed = None, False
+        if cfg.shared_gate:  # on the kernels in batch-invariant mode only: see moeshard.moe.router
+            gate = packed.for_linear((1, D), dtype, device, "the shared experts' gate") if invariance.batch_invariant() else None
+            self.gate_1D, self.gate_packed = empty_param((1, D), dtype, device, gate), gate is not None
 
     def mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
-        y_TD = swiglu(x_TD, self.gate_up_FD, self.down_DI, (self.gate_up_packed, self.down_packed))
+        y_TD = swiglu(x_TD, self.gate_up_FD, self.down_DI, self.packed)
         if self.gate_1D is not None:
             # A per-token scalar, so it may multiply a partial sum before the reduction.
-            if self.packed_gate_1D is not None:
-                gate_T1 = kernels.linear(x_TD, self.packed_gate_1D, 1)
+            if self.gate_packed:
+                gate_T1 = kernels.linear(x_TD, self.gate_1D, 1)
             else:
                 gate_T1 = x_TD @ self.gate_1D.T
             y_TD = y_TD * sigmoid(gate_T1)

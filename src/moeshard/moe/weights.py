@@ -11,13 +11,20 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from moeshard.kernels.packed import Plain
 from moeshard.moe.config import MoEConfig, SharedLayout
 from moeshard.parallel.state import ParallelState
 
 
-def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
-    """An inference weight with undefined contents, to be filled in place (its identity stays)."""
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device, layout=None) -> nn.Parameter:
+    """An inference weight of logical shape `shape` with undefined contents, to be filled in place
+    (its identity stays), stored in `layout` (kernels.packed; Hugging Face's by default)."""
+    layout = layout or Plain(tuple(shape))
+    if tuple(layout.shape) != tuple(shape):
+        raise ValueError(f"a layout of shape {list(layout.shape)} cannot hold a weight of shape {list(shape)}.")
+    param = nn.Parameter(torch.empty(layout.storage_shape(), dtype=dtype, device=device), requires_grad=False)
+    param.weight_layout = layout  # on the parameter object itself: sleep and wake change only its storage
+    return param
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,7 @@ def fused_mc2(
     w2_LDI: torch.Tensor,
     owner_E: torch.Tensor,
     local_index_E: torch.Tensor,
-    gate_up_packed: torch.Tensor | None,
-    down_packed: torch.Tensor | None,
+    packed: bool,
 ) -> torch.Tensor:
     parallel = state.get_parallel_state()
     group, W, L = parallel.ep_group, parallel.layout.ep_size, w13_LFD.shape[0]
@@ -44,13 +43,13 @@ def fused_mc2(
     recv_x_MD = recv[:, :row_bytes].contiguous().view(x_RD.dtype)
     labels_M = recv[:, row_bytes:].contiguous().view(torch.int32).flatten().long()
     order_M, group_ends_L = group_by_expert(labels_M, L)
-    y_MD = grouped_swiglu(recv_x_MD[order_M], w13_LFD, w2_LDI, group_ends_L, gate_up_packed, down_packed)
+    y_MD = grouped_swiglu(recv_x_MD[order_M], w13_LFD, w2_LDI, group_ends_L, packed)
     y_back = state.all_to_all(unsort(y_MD, order_M), group)
     return sum_over_topk(y_back[slot_P], topk_weights_RK)
 
 
 @fused_mc2.register_fake
-def _(x_RD, topk_ids_RK, topk_weights_RK, w13_LFD, w2_LDI, owner_E, local_index_E, gate_up_packed, down_packed):
+def _(x_RD, topk_ids_RK, topk_weights_RK, w13_LFD, w2_LDI, owner_E, local_index_E, packed):
     return x_RD.new_empty(x_RD.shape)
 
 
@@ -71,6 +70,5 @@ class FusedMC2Dispatcher(MC2Capacity, ExpertParallelDispatcher):
             experts.w2_LDI,
             self.maps.owner_E,
             self.maps.local_index_E,
-            experts.gate_up_packed,
-            experts.down_packed,
+            experts.packed,
         )

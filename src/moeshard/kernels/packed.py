@@ -1,0 +1,289 @@
+"""A weight's storage, and the one copy of it the engine holds (docs/DESIGN.md §5): Hugging Face's
+[out, in] layout (`Plain`), or where moeshard.kernels serve the weight their packed panels
+(`Panels`, `GateUpPanels`), with no [out, in] copy beside them.
+
+A layout knows a weight's logical shape ([..., N, K], as a checkpoint stores it; a parameter's name
+gives that shape), the shape of its storage, and
+- `write(storage, dest, values)`: a block of the logical weight (`dest` indexes it) into the
+  storage: the loader's one path, at start-up, for every update and every reload;
+- `zero_padding(storage)`: the storage no block writes (a panel's outputs past N, inputs past K,
+  the SwiGLU's intermediate padding), zeroed on every load, so a poisoned wake leaves no garbage;
+- `read(storage)`: the logical weight back (a new tensor), for whatever compares or exports it;
+- `linear(x, storage)` (`rows(storage, ids)` for an embedding table): its product.
+A parameter carries its layout (`param.weight_layout`: `layout` is torch's own attribute); sleep and
+wake change its storage, not its layout.
+
+A block goes into panels through strided views, panel by panel (whole panels in one call), with
+`pack_rows` (pack.cpp) doing the transposition; a block whose inputs do not fill whole steps (an
+odd intermediate size) is padded first, the only scratch (one block). A quantized layout (values,
+scales and zero points of kernels/quant.py, as panels) is one more class with these methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeshard import kernels
+from moeshard.runtime import invariance
+
+PANEL = kernels.PANEL
+TILE = PANEL // 4  # pack_gate_up interleaves gate and up rows 16 at a time
+
+
+def block_shape(shape: tuple[int, ...], dest: tuple) -> tuple[int, ...]:
+    return tuple(torch.empty(shape, device="meta")[dest].shape)
+
+
+def split_index(shape: tuple[int, ...], dest: tuple) -> tuple[tuple, range, range]:
+    """`dest` (ints and unit-step slices into a [*lead, N, K] weight) → (lead index, rows, inputs)."""
+    *lead, rows, cols = tuple(dest) + (slice(None),) * (len(shape) - len(dest))
+    rows, cols = range(*rows.indices(shape[-2])), range(*cols.indices(shape[-1]))
+    if rows.step != 1 or cols.step != 1:
+        raise ValueError(f"a block of a packed weight is a range of rows and of inputs, got {dest}.")
+    return tuple(lead), rows, cols
+
+
+def copy_rows(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """out [..., K/s, n, s] = rows [..., n, K] in steps of s (any strides)."""
+    if out.dim() > 4:
+        for o, r in zip(out, rows, strict=True):
+            copy_rows(o, r)
+        return
+    if out.dim() == 3:
+        out, rows = out.unsqueeze(0), rows.unsqueeze(0)
+    if kernels.built() and out.dtype == rows.dtype and rows.stride(-1) == 1 and out.stride(-1) == 1:
+        torch.ops.moeshard_cpu.pack_rows(out, rows)
+    else:  # a conversion (a bf16 checkpoint into fp32 weights), or zeros (an expanded scalar)
+        out.copy_(rows.unflatten(-1, (out.shape[-3], out.shape[-1])).transpose(-3, -2))
+
+
+def write_panel_rows(panels: torch.Tensor, first: int, values: torch.Tensor, steps: slice) -> None:
+    """Rows `first`, `first` + 1, … of the padded outputs of `panels` [..., P, K/s, 64, s] (their
+    inputs `steps`) = `values` [..., n, K]: whole panels in one call, a part of one per call."""
+    n, done = values.shape[-2], 0
+    while done < n:
+        p, row = divmod(first + done, PANEL)
+        whole = (n - done) // PANEL if row == 0 else 0
+        if whole:
+            chunk = values[..., done : done + whole * PANEL, :].unflatten(-2, (whole, PANEL))
+            copy_rows(panels[..., p : p + whole, steps, :, :], chunk)
+            done += whole * PANEL
+        else:
+            take = min(PANEL - row, n - done)
+            copy_rows(panels[..., p, steps, row : row + take, :], values[..., done : done + take, :])
+            done += take
+
+
+def input_steps(cols: range, values: torch.Tensor, step: int) -> tuple[slice, torch.Tensor]:
+    """The steps a block's inputs `cols` fill, and its values padded with zero inputs to whole steps
+    (a scratch of the block, only where its width is not a multiple of the step)."""
+    if cols.start % step:
+        raise ValueError(f"a block of a packed weight starts on a whole step of {step} inputs, not at input {cols.start}.")
+    if len(cols) % step:
+        values = F.pad(values, (0, step - len(cols) % step))
+    return slice(cols.start // step, cols.start // step + values.shape[-1] // step), values
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros((), dtype=dtype).expand(shape)
+
+
+@dataclass(frozen=True)
+class Plain:
+    """Hugging Face's layout: the storage is the logical weight."""
+
+    shape: tuple[int, ...]
+    packed = False
+
+    def storage_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def write(self, storage: torch.Tensor, dest: tuple, values: torch.Tensor) -> None:
+        storage[dest].copy_(values)
+
+    def zero_padding(self, storage: torch.Tensor) -> None:
+        pass
+
+    def read(self, storage: torch.Tensor) -> torch.Tensor:
+        return storage.detach().clone()
+
+    def linear(self, x: torch.Tensor, storage: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        y = F.linear(x, storage)
+        return y.float() if fp32_out else y
+
+    def rows(self, storage: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, storage)
+
+
+@dataclass(frozen=True)
+class Panels:
+    """kernels.pack's layout: [*lead, ceil(N/64), inputs/s, 64, s], `inputs` = K, or more where the
+    kernels read zero inputs past K (a SwiGLU's down projection: its intermediate size padded)."""
+
+    shape: tuple[int, ...]
+    step: int
+    inputs: int
+    packed = True
+
+    def storage_shape(self) -> tuple[int, ...]:
+        *lead, N, _ = self.shape
+        return (*lead, -(-N // PANEL), self.inputs // self.step, PANEL, self.step)
+
+    def write(self, storage: torch.Tensor, dest: tuple, values: torch.Tensor) -> None:
+        lead, rows, cols = split_index(self.shape, dest)
+        steps, values = input_steps(cols, values.expand(block_shape(self.shape, dest)), self.step)
+        write_panel_rows(storage[lead], rows.start, values, steps)
+
+    def zero_padding(self, storage: torch.Tensor) -> None:
+        N, K = self.shape[-2:]
+        if N % PANEL:
+            storage[..., -1, :, N % PANEL :, :].zero_()
+        if self.inputs > K:
+            storage[..., K // self.step, :, K % self.step :].zero_()
+            storage[..., K // self.step + 1 :, :, :].zero_()
+
+    def read(self, storage: torch.Tensor) -> torch.Tensor:
+        *lead, N, K = self.shape
+        return storage.transpose(-3, -2).reshape(*lead, -1, self.inputs)[..., :N, :K].contiguous()
+
+    def linear(self, x: torch.Tensor, storage: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        return kernels.linear(x, storage, self.shape[-2], fp32_out)
+
+    def rows(self, storage: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """An embedding table's rows `ids`, gathered out of the panels."""
+        return storage[ids // PANEL, :, ids % PANEL, :].flatten(-2)[..., : self.shape[-1]]
+
+
+@dataclass(frozen=True)
+class GateUpPanels:
+    """kernels.pack_gate_up's layout of a SwiGLU's fused gate-up weight [*lead, 2I, D] (gate rows
+    first): the intermediate size padded to a multiple of 32, gate and up rows interleaved 16 at a
+    time, then packed: [*lead, padded(I)/32, D/s, 64, s]."""
+
+    shape: tuple[int, ...]
+    step: int
+    packed = True
+
+    @property
+    def intermediate(self) -> int:
+        return self.shape[-2] // 2
+
+    def storage_shape(self) -> tuple[int, ...]:
+        *lead, _, D = self.shape
+        return (*lead, kernels.padded_intermediate(self.intermediate) // (2 * TILE), D // self.step, PANEL, self.step)
+
+    def write(self, storage: torch.Tensor, dest: tuple, values: torch.Tensor) -> None:
+        lead, rows, cols = split_index(self.shape, dest)
+        steps, values = input_steps(cols, values.expand(block_shape(self.shape, dest)), self.step)
+        I = self.intermediate
+        for half, start in enumerate((0, I)):
+            first, last = max(rows.start, start), min(rows.stop, start + I)
+            if first < last:
+                self.write_half(storage[lead], half, first - start, values[..., first - rows.start : last - rows.start, :], steps)
+
+    def write_half(self, panels: torch.Tensor, half: int, first: int, values: torch.Tensor, steps: slice) -> None:
+        """Rows `first`, … of the gate (half 0) or up (half 1) projection = `values` [..., n, D]."""
+        n, done = values.shape[-2], 0
+        while done < n:
+            i = first + done
+            pairs = (n - done) // (2 * TILE) if i % (2 * TILE) == 0 else 0
+            if pairs:  # whole panels: 32 rows of this half, as two tiles of 16, in each
+                out = panels[..., i // (2 * TILE) : i // (2 * TILE) + pairs, steps, :, :].unflatten(-2, (2, 2, TILE))
+                chunk = values[..., done : done + pairs * 2 * TILE, :].unflatten(-2, (pairs, 2, TILE))
+                for tile in range(2):
+                    copy_rows(out[..., tile, half, :, :], chunk[..., tile, :, :])
+                done += pairs * 2 * TILE
+            else:  # part of one tile of 16 rows
+                tile, row = divmod(i, TILE)
+                take = min(TILE - row, n - done)
+                write_panel_rows(panels, tile * 2 * TILE + half * TILE + row, values[..., done : done + take, :], steps)
+                done += take
+
+    def zero_padding(self, storage: torch.Tensor) -> None:
+        *lead, _, D = self.shape
+        I = self.intermediate
+        pad = kernels.padded_intermediate(I) - I
+        if pad:
+            for half in range(2):
+                self.write_half(storage, half, I, zeros((*lead, pad, D), storage.dtype), slice(None))
+
+    def read(self, storage: torch.Tensor) -> torch.Tensor:
+        *lead, _, D = self.shape
+        I, padded = self.intermediate, kernels.padded_intermediate(self.intermediate)
+        tiles = storage.transpose(-3, -2).reshape(*lead, padded // TILE, 2, TILE, D)
+        return torch.cat([tiles[..., half, :, :].reshape(*lead, padded, D)[..., :I, :] for half in range(2)], dim=-2)
+
+
+@dataclass(frozen=True)
+class TransposedPanels:
+    """A [*lead, N, K] weight whose product takes N inputs to K outputs (`x @ w`, MLA's absorbed key
+    projection): the panels of its transpose (`panels`, of shape [*lead, K, N])."""
+
+    shape: tuple[int, ...]
+    panels: Panels
+    packed = True
+
+    def storage_shape(self) -> tuple[int, ...]:
+        return self.panels.storage_shape()
+
+    def write(self, storage: torch.Tensor, dest: tuple, values: torch.Tensor) -> None:
+        lead, rows, cols = split_index(self.shape, dest)
+        swapped = (*lead, slice(cols.start, cols.stop), slice(rows.start, rows.stop))
+        self.panels.write(storage, swapped, values.expand(block_shape(self.shape, dest)).transpose(-1, -2))
+
+    def zero_padding(self, storage: torch.Tensor) -> None:
+        self.panels.zero_padding(storage)
+
+    def read(self, storage: torch.Tensor) -> torch.Tensor:
+        return self.panels.read(storage).transpose(-1, -2).contiguous()
+
+    def linear(self, x: torch.Tensor, storage: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        return self.panels.linear(x, storage, fp32_out)
+
+
+def logical(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's logical weight, read back out of its layout (a new tensor)."""
+    return param.weight_layout.read(param.data)
+
+
+def assign(param: torch.Tensor, values: torch.Tensor) -> None:
+    """Write a whole logical weight into a parameter's storage (padding included)."""
+    param.weight_layout.zero_padding(param.data)
+    param.weight_layout.write(param.data, (), values)
+
+
+def serves(shape: tuple[int, ...], dtype: torch.dtype, device) -> bool:
+    """Whether products with a [..., N, K] weight of `dtype` on `device` run on moeshard.kernels."""
+    return kernels.runs(torch.empty(0, dtype=dtype, device=device)) and shape[-1] % kernels.step(dtype) == 0
+
+
+def check_served(served: bool, what: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+    if not served and invariance.batch_invariant():
+        raise ValueError(
+            f"batch-invariant mode runs every product on moeshard's CPU kernels, which cannot take {what} "
+            f"({list(shape)}, {dtype}, {device})."
+        )
+
+
+def for_linear(shape: tuple[int, ...], dtype: torch.dtype, device, what: str) -> Plain | Panels:
+    """Panels where moeshard.kernels serve a [..., N, K] weight, else Plain (batch-invariant mode
+    refuses a weight the kernels cannot take: `what` names it)."""
+    served = serves(shape, dtype, device)
+    check_served(served, what, shape, dtype, device)
+    return Panels(tuple(shape), kernels.step(dtype), shape[-1]) if served else Plain(tuple(shape))
+
+
+def for_swiglu(
+    gate_up_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: torch.dtype, device, what: str
+) -> tuple[Plain, Plain] | tuple[GateUpPanels, Panels]:
+    """A SwiGLU's gate-up [.., 2I, D] and down [.., D, I] layouts: packed where the kernels serve it
+    (any I: the kernels read zero rows and inputs up to the padded one)."""
+    served = serves(gate_up_shape, dtype, device)
+    check_served(served, what, gate_up_shape, dtype, device)
+    if not served:
+        return Plain(tuple(gate_up_shape)), Plain(tuple(down_shape))
+    s, padded = kernels.step(dtype), kernels.padded_intermediate(down_shape[-1])
+    return GateUpPanels(tuple(gate_up_shape), s), Panels(tuple(down_shape), s, padded)
