@@ -29,10 +29,12 @@ import hashlib
 import logging
 import os
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from moeshard.kernels.quant import QuantFormat, Quantized
 from moeshard.runtime import invariance
 
 PANEL = 64  # outputs per packed panel (four vectors of 16)
@@ -124,6 +126,11 @@ def built() -> bool:
         lambda x, w, n, fp32_out: x.new_empty((x.shape[0], n), dtype=torch.float32 if fp32_out else x.dtype)
     )
     torch.library.register_fake("moeshard_cpu::grouped_swiglu")(lambda x, w13, w2, ends: torch.empty_like(x))
+    torch.library.register_fake("moeshard_cpu::linear_quantized")(
+        lambda x, values, scale, zero, kind, group, n, fp32_out:
+        x.new_empty((x.shape[0], n), dtype=torch.float32 if fp32_out else x.dtype)
+    )
+    torch.library.register_fake("moeshard_cpu::grouped_swiglu_quantized")(lambda x, *weights_and_ends: torch.empty_like(x))
     torch.library.register_fake("moeshard_cpu::paged_attention")(
         lambda q, k, v, starts, lens, slots, scale, window: q.new_empty((*q.shape[:2], v.shape[-1]))
     )
@@ -161,8 +168,13 @@ def pack(w_NK: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[..., N, K] → [..., ceil(N/64), K/s, 64, s] (s = `step`): a panel's 64 outputs' values of
     one step of inputs together (zero outputs pad the last panel). Into `out` if given, copied
     straight from strided views: no scratch the size of the weight."""
+    return _panels(w_NK, step(w_NK.dtype), out)
+
+
+def _panels(w_NK: torch.Tensor, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack`'s layout for steps of s inputs, any dtype: [..., N, K] → [..., ceil(N/64), K/s, 64, s]."""
     *lead, N, K = w_NK.shape
-    panels, s = -(-N // PANEL), step(w_NK.dtype)
+    panels = -(-N // PANEL)
     if out is None:
         out = w_NK.new_empty((*lead, panels, K // s, PANEL, s))
     full, left = divmod(N, PANEL)
@@ -176,6 +188,17 @@ def pack(w_NK: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         last.zero_()
         last[..., :left, :].copy_(steps(w_NK[..., full * PANEL :, :]))
     return out
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weight [..., N, K] that `pack` packed into `packed` (N = `out_features`): a new tensor."""
+    return _unpanels(packed, out_features)
+
+
+def _unpanels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """`_panels`'s inverse: [..., B, K/s, 64, s] → [..., n, K], a new tensor."""
+    *lead, B, P, _, s = panels.shape
+    return panels.transpose(-3, -2).reshape(*lead, B * PANEL, P * s)[..., :n, :].clone()
 
 
 def padded_intermediate(intermediate: int) -> int:
@@ -194,17 +217,27 @@ def _per_expert(pack_one, w: torch.Tensor, out: torch.Tensor | None) -> torch.Te
     return out
 
 
+def _interleaved(gate_up_FX: torch.Tensor) -> torch.Tensor:
+    """[2I, X] (gate rows first) → [2·Ip, X]: each half padded to Ip rows with zeros (`_padded`),
+    then 16 gate rows and 16 up rows in turn."""
+    I, X = gate_up_FX.shape[0] // 2, gate_up_FX.shape[1]
+    halves = [F.pad(h, (0, 0, 0, padded_intermediate(I) - I)).view(-1, PANEL // 4, X) for h in gate_up_FX.chunk(2)]
+    return torch.stack(halves, dim=1).reshape(2 * padded_intermediate(I), X)
+
+
+def _deinterleaved(rows_FX: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """`_interleaved`'s inverse over the last two dims: [..., 2·Ip, X] → [..., 2I, X]."""
+    *lead, rows, X = rows_FX.shape
+    halves = rows_FX.reshape(*lead, rows // PANEL * 2, 2, PANEL // 4, X)
+    gate, up = (halves[..., h, :, :].reshape(*lead, rows // 2, X)[..., :intermediate, :] for h in (0, 1))
+    return torch.cat([gate, up], dim=-2)
+
+
 def pack_gate_up(gate_up_LFD: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU gate-up weights ([L, 2I, D] or [2I, D], gate rows first) → packed, the intermediate
     size padded to a multiple of 32 with zero rows, gate and up interleaved 16 rows at a time (one
     register tile then holds both halves of its outputs). Always [L, ...]."""
-
-    def pack_one(gate_up_FD: torch.Tensor) -> torch.Tensor:
-        I, D = gate_up_FD.shape[0] // 2, gate_up_FD.shape[1]
-        halves = [F.pad(h, (0, 0, 0, padded_intermediate(I) - I)).view(-1, PANEL // 4, D) for h in gate_up_FD.chunk(2)]
-        return pack(torch.stack(halves, dim=1).reshape(2 * padded_intermediate(I), D))
-
-    return _per_expert(pack_one, gate_up_LFD, out)
+    return _per_expert(lambda gate_up_FD: pack(_interleaved(gate_up_FD)), gate_up_LFD, out)
 
 
 def pack_down(down_LDI: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,32 +246,215 @@ def pack_down(down_LDI: torch.Tensor, out: torch.Tensor | None = None) -> torch.
                        down_LDI, out)
 
 
+def unpack_gate_up(packed: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """The [L, 2I, D] gate-up weights that `pack_gate_up` packed (I = `intermediate`): a new tensor."""
+    return _deinterleaved(_unpanels(packed, packed.shape[1] * PANEL), intermediate)
+
+
+def unpack_down(packed: torch.Tensor, intermediate: int, hidden: int) -> torch.Tensor:
+    """The [L, D, I] down weights that `pack_down` packed (D = `hidden`, I = `intermediate`): a new tensor."""
+    return unpack(packed, hidden)[..., :intermediate].clone()
+
+
+# ---- Quantized weights (moeshard.kernels.quant's canonical form) in the kernels' panels ----------
+
+
+@dataclass(frozen=True)
+class PackedQuantized:
+    """A quantized weight as the kernels read it (`pack_quantized`, `pack_gate_up_quantized`,
+    `pack_down_quantized`), [...] its leading dims, B = ceil(N/64) panels, P = K/2 steps:
+    - values [..., B, P, 64, 2] uint8: `pack`'s bf16 layout, one byte a weight (fp8's bits, int8's
+      two's complement, uint8 with zero points); int4: [..., B, P, 64], two a byte: in each step
+      and block of 16 outputs, byte t holds the block's weight t in its low nibble and weight
+      t + 16 in its high one (weights numbered 2·output + input, as in a bf16 step), symmetric
+      int4 as offset binary (v + 8);
+    - scale [..., B, X, 64] fp32, X = ceil(K/G) groups (a padded tail of K is zero groups): per
+      group the panel's 64 outputs' scales, 0 past N; zero [..., B, X, 64] uint8 (zero points) or None;
+    - fmt; `shape` the canonical weight's ([L, 2I, D] for gate-up, [L, D, I] for down); `layout`
+      "linear", "gate_up" or "down" (what `unpack_quantized` undoes).
+    Kernels' constraints: K and G even (bf16 steps are input pairs, and a pair never straddles two
+    groups), K a multiple of G (Quantized checks it), fp8 scales below 256 (the kernel scales fp8's
+    bits by 2¹²⁰ · scale, exactly, in one multiply)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    fmt: QuantFormat
+    shape: tuple[int, ...]
+    layout: str = "linear"
+
+    def expert(self, l: int) -> PackedQuantized:
+        """Expert l's panels (views) of a [L, ...] weight."""
+        return replace(self, values=self.values[l], scale=self.scale[l],
+                       zero=None if self.zero is None else self.zero[l], shape=self.shape[1:])
+
+
+FP8_SCALE_LIMIT = 256.0  # 2¹²⁰ · scale must be finite in fp32
+_VALUE_DTYPES = {("fp8", False): torch.float8_e4m3fn, ("int8", False): torch.int8, ("int8", True): torch.uint8,
+                 ("int4", False): torch.int8, ("int4", True): torch.int8}
+
+
+def _check_packable(q: Quantized) -> None:
+    fmt, want = q.fmt, _VALUE_DTYPES[(q.fmt.kind, q.fmt.zero_point)]
+    if q.values.dtype != want:
+        raise ValueError(f"{fmt.kind} weights{' with zero points' if fmt.zero_point else ''} hold {want} values, got {q.values.dtype}.")
+    if q.scale.dtype != torch.float32:
+        raise ValueError(f"quantization scales must be float32, got {q.scale.dtype}.")
+    if q.zero is not None and q.zero.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"zero points must be int8 or uint8, got {q.zero.dtype}.")
+    if fmt.group % 2:
+        raise ValueError(f"the kernels read inputs in pairs, so a quantization group must be even, got {fmt.group}.")
+    if fmt.kind == "fp8" and not bool((q.scale.abs() < FP8_SCALE_LIMIT).all()):
+        raise ValueError(f"the fp8 kernel takes scales below {FP8_SCALE_LIMIT:g} (weights below ±114688), got larger.")
+
+
+def _empty_packed(lead: tuple[int, ...], N: int, K: int, fmt: QuantFormat, shape, layout: str) -> PackedQuantized:
+    B, P, X = -(-N // PANEL), K // 2, -(-K // fmt.group)
+    values = torch.empty((*lead, B, P, PANEL) if fmt.kind == "int4" else (*lead, B, P, PANEL, 2), dtype=torch.uint8)
+    scale = torch.empty((*lead, B, X, PANEL))
+    zero = torch.empty((*lead, B, X, PANEL), dtype=torch.uint8) if fmt.zero_point else None
+    return PackedQuantized(values, scale, zero, fmt, tuple(shape), layout)
+
+
+INT4_CHUNK = 16  # panels whose nibbles are joined at a time (the scratch of `_pack_int4`)
+
+
+def _pack_int4(values_NK: torch.Tensor, offset: int, out: torch.Tensor) -> None:
+    """int4 values [..., N, K] (uint8 view of int8) → `out` [..., B, P, 64], two a byte (see
+    PackedQuantized), `offset` added (8: symmetric → offset binary), a few panels at a time."""
+    N, K = values_NK.shape[-2:]
+    for one, one_out in zip(values_NK.reshape(-1, N, K), out.view(-1, *out.shape[-3:]), strict=True):
+        for b0 in range(0, one_out.shape[0], INT4_CHUNK):
+            b1 = min(b0 + INT4_CHUNK, one_out.shape[0])
+            grid = _panels(one[b0 * PANEL : b1 * PANEL], 2).view(b1 - b0, K // 2, PANEL // 16, 2, 16)
+            low, high = ((grid[..., h, :] ^ offset) & 15 for h in (0, 1))
+            one_out[b0:b1].view(b1 - b0, K // 2, PANEL // 16, 16).copy_(low | (high << 4))
+
+
+def _pack_into(values_NK: torch.Tensor, scale_NX: torch.Tensor, zero_NX: torch.Tensor | None,
+               out: PackedQuantized) -> PackedQuantized:
+    """Canonical tensors (any leading dims, rows already arranged) → `out`'s panels, from strided views."""
+    if out.fmt.kind == "int4":
+        _pack_int4(values_NK.view(torch.uint8), 0 if out.fmt.zero_point else 8, out.values)
+    else:
+        _panels(values_NK.view(torch.uint8), 2, out.values)
+    _panels(scale_NX, 1, out.scale.unsqueeze(-1))
+    if zero_NX is not None:
+        _panels(zero_NX.view(torch.uint8), 1, out.zero.unsqueeze(-1))
+    return out
+
+
+def pack_quantized(q: Quantized, out: PackedQuantized | None = None) -> PackedQuantized:
+    """A quantized weight [..., N, K] → its panels (PackedQuantized, layout "linear"), into `out`
+    if given: copied straight from strided views, the only scratch a few panels (int4)."""
+    _check_packable(q)
+    *lead, N, K = q.shape
+    out = out if out is not None else _empty_packed(tuple(lead), N, K, q.fmt, q.shape, "linear")
+    return _pack_into(q.values, q.scale, q.zero, out)
+
+
+def _pack_quantized_experts(q: Quantized, out: PackedQuantized | None, layout: str, rows_out: int, K_out: int,
+                            arrange_values, arrange_groups) -> PackedQuantized:
+    _check_packable(q)
+    L = q.values.reshape(-1, *q.shape[-2:]).shape[0]
+    shape = (L, *q.shape[-2:])
+    out = out if out is not None else _empty_packed((L,), rows_out, K_out, q.fmt, shape, layout)
+    flat = [t if t is None else t.reshape(L, *t.shape[-2:]) for t in (q.values, q.scale, q.zero)]
+    for l in range(L):  # the scratch is one expert's
+        one = Quantized(flat[0][l], flat[1][l], None if flat[2] is None else flat[2][l], q.fmt)
+        _pack_into(arrange_values(one.values.view(torch.uint8)), arrange_groups(one.scale),
+                   None if one.zero is None else arrange_groups(one.zero.view(torch.uint8)), out.expert(l))
+    return out
+
+
+def pack_gate_up_quantized(q: Quantized, out: PackedQuantized | None = None) -> PackedQuantized:
+    """`pack_gate_up` for a quantized [L, 2I, D] (or [2I, D]) weight: rows padded and interleaved
+    as there (padded rows: zero values and scales), always [L, ...]."""
+    I, D = q.shape[-2] // 2, q.shape[-1]
+    return _pack_quantized_experts(q, out, "gate_up", 2 * padded_intermediate(I), D, _interleaved, _interleaved)
+
+
+def pack_down_quantized(q: Quantized, out: PackedQuantized | None = None) -> PackedQuantized:
+    """`pack_down` for a quantized [L, D, I] (or [D, I]) weight: inputs padded to the padded I with
+    zero values in groups of zero scale (the last may be partial), always [L, ...]."""
+    D, I = q.shape[-2:]
+    Ip, G = padded_intermediate(I), q.fmt.group
+    return _pack_quantized_experts(q, out, "down", D, Ip, lambda v: F.pad(v, (0, Ip - I)),
+                                   lambda t: F.pad(t, (0, -(-Ip // G) - I // G)))
+
+
+def unpack_quantized(packed: PackedQuantized) -> Quantized:
+    """The canonical weight that was packed into `packed` (its `shape`; new tensors)."""
+    fmt, shape = packed.fmt, packed.shape
+    values = packed.values
+    if fmt.kind == "int4":
+        nibbles = values.view(*values.shape[:-1], PANEL // 16, 1, 16)
+        values = torch.cat([nibbles & 15, nibbles >> 4], dim=-2).view(*values.shape, 2)
+    rows = packed.values.shape[-3 if fmt.kind == "int4" else -4] * PANEL
+    values, scale = _unpanels(values, rows), _unpanels(packed.scale.unsqueeze(-1), rows)
+    zero = None if packed.zero is None else _unpanels(packed.zero.unsqueeze(-1), rows)
+    N, K = shape[-2:]
+    if packed.layout == "gate_up":
+        values, scale, zero = (t if t is None else _deinterleaved(t, N // 2) for t in (values, scale, zero))
+    values, scale, zero = (t if t is None else t[..., :N, :] for t in (values, scale, zero))
+    values, scale, zero = values[..., :K], scale[..., : K // fmt.group], None if zero is None else zero[..., : K // fmt.group]
+    if fmt.kind == "int4":
+        values = values.to(torch.int8) - (0 if fmt.zero_point else 8)
+    values = values.contiguous().view(_VALUE_DTYPES[(fmt.kind, fmt.zero_point)])
+    zero = None if zero is None else zero.contiguous().view(torch.uint8 if fmt.kind == "int8" else torch.int8)
+    return Quantized(values, scale.contiguous(), zero, fmt)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[..., K] as [M, K] rows the kernels read in steps: unit stride, a row stride of whole steps."""
     rows = x.reshape(-1, x.shape[-1])
     return rows.contiguous() if rows.stride(-1) != 1 or rows.stride(0) % step(x.dtype) else rows
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, fp32_out: bool = False) -> torch.Tensor:
-    """`F.linear(x, w)` for `packed = pack(w)`, in w's dtype, or fp32 (the accumulator) with `fp32_out`."""
-    out = torch.ops.moeshard_cpu.linear(_rows(x), packed, out_features, fp32_out)
+def linear(x: torch.Tensor, packed: torch.Tensor | PackedQuantized, out_features: int, fp32_out: bool = False) -> torch.Tensor:
+    """`F.linear(x, w)` for `packed = pack(w)`, in w's dtype, or fp32 (the accumulator) with `fp32_out`;
+    for `packed = pack_quantized(q)` (bf16 x), bitwise the bf16 product with `quant.dequantize(q)`."""
+    if isinstance(packed, PackedQuantized):
+        out = torch.ops.moeshard_cpu.linear_quantized(_rows(x), packed.values, packed.scale, packed.zero,
+                                                      packed.fmt.kind, packed.fmt.group, out_features, fp32_out)
+    else:
+        out = torch.ops.moeshard_cpu.linear(_rows(x), packed, out_features, fp32_out)
     return out.view(*x.shape[:-1], out_features)
 
 
 def grouped_swiglu(
-    x_MD: torch.Tensor, gate_up_packed: torch.Tensor, down_packed: torch.Tensor, group_ends_L: torch.Tensor
+    x_MD: torch.Tensor, gate_up_packed: torch.Tensor | PackedQuantized, down_packed: torch.Tensor | PackedQuantized,
+    group_ends_L: torch.Tensor,
 ) -> torch.Tensor:
-    """Rows sorted by expert (`pack_gate_up`, `pack_down` weights); rows past the last end are zero."""
+    """Rows sorted by expert (`pack_gate_up`, `pack_down` weights, or their quantized packings, of one
+    format); rows past the last end are zero."""
+    if isinstance(gate_up_packed, PackedQuantized):
+        w13, w2 = gate_up_packed, down_packed
+        if not isinstance(w2, PackedQuantized) or w2.fmt != w13.fmt:
+            raise ValueError(f"gate-up and down weights must be quantized alike, got {w13.fmt} and {getattr(w2, 'fmt', 'unquantized')}.")
+        return torch.ops.moeshard_cpu.grouped_swiglu_quantized(
+            _rows(x_MD), w13.values, w13.scale, w13.zero, w2.values, w2.scale, w2.zero, w13.fmt.kind, w13.fmt.group, group_ends_L
+        )
     return torch.ops.moeshard_cpu.grouped_swiglu(_rows(x_MD), gate_up_packed, down_packed, group_ends_L)
 
 
-def swiglu(x_TD: torch.Tensor, gate_up_packed: torch.Tensor, down_packed: torch.Tensor) -> torch.Tensor:
+def _one_expert(w: torch.Tensor | PackedQuantized) -> torch.Tensor | PackedQuantized:
+    """A SwiGLU weight packed without the expert dim, as one expert ([1, ...]); one with it as it is."""
+    if isinstance(w, PackedQuantized):
+        if len(w.shape) == 3:
+            return w
+        lead = lambda t: None if t is None else t.unsqueeze(0)  # noqa: E731
+        return replace(w, values=lead(w.values), scale=lead(w.scale), zero=lead(w.zero), shape=(1, *w.shape))
+    return w if w.dim() == 5 else w.unsqueeze(0)
+
+
+def swiglu(x_TD: torch.Tensor, gate_up_packed: torch.Tensor | PackedQuantized,
+           down_packed: torch.Tensor | PackedQuantized) -> torch.Tensor:
     """One SwiGLU over every row: its weights packed as one expert ([1, ...]), or without the
     expert dim (a dense MLP's packed weights, packed.GateUpPanels and Panels with no leading dim)."""
     rows_TD = _rows(x_TD)
     ends_1 = torch.full((1,), rows_TD.shape[0], dtype=torch.int32)
-    one = lambda w: w if w.dim() == 5 else w.unsqueeze(0)  # noqa: E731
-    return grouped_swiglu(rows_TD, one(gate_up_packed), one(down_packed), ends_1).view(x_TD.shape)
+    return grouped_swiglu(rows_TD, _one_expert(gate_up_packed), _one_expert(down_packed), ends_1).view(x_TD.shape)
 
 
 def paged_attention(

@@ -98,6 +98,27 @@ struct Step<float> {
   static vf add(vf acc, Vec x, Vec w) { return fmadd(x, w, acc); }
 };
 
+// Quantized weights' bytes as 16 32-bit integers (see Dequant below), and bf16 steps made from fp32.
+using vi = __m512i;
+inline vi load_sx(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vi load_zx(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <int N>
+inline vi shl(vi a) { return _mm512_slli_epi32(a, N); }
+inline vf to_float(vi a) { return _mm512_cvtepi32_ps(a); }
+inline vf and_or(vi a, int32_t mask, int32_t bits) {  // the bits (a & mask) | bits, read as fp32: one vpternlogd
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(a, _mm512_set1_epi32(mask), _mm512_set1_epi32(bits), 0xEA));
+}
+inline vf pairs(__m256 eight) {  // (e0, e0, e1, e1, …, e7, e7)
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(eight));
+}
+inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 eight(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// A bf16 step of one block (16 outputs × an input pair) from fp32: `lo` holds outputs 0–7's pairs,
+// `hi` outputs 8–15's, in the step's order; rounded to nearest even as vcvtneps2bf16 rounds.
+inline Step<at::BFloat16>::Vec bf16_step(vf lo, vf hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
+
 // Register tiles (32 vector registers): up to 6 rows × a whole panel, 24 accumulators.
 struct Shape {
   int64_t rows, blocks;
@@ -251,6 +272,38 @@ struct Step<float> {
   static vf add(vf acc, Vec x, Vec w) { return fmadd(x, w, acc); }
 };
 
+struct vi {
+  __m256i lo, hi;
+};
+inline __m128i eight_bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline vi load_sx(const uint8_t* p) { return {_mm256_cvtepi8_epi32(eight_bytes(p)), _mm256_cvtepi8_epi32(eight_bytes(p + 8))}; }
+inline vi load_zx(const uint8_t* p) { return {_mm256_cvtepu8_epi32(eight_bytes(p)), _mm256_cvtepu8_epi32(eight_bytes(p + 8))}; }
+template <int N>
+inline vi shl(vi a) { return {_mm256_slli_epi32(a.lo, N), _mm256_slli_epi32(a.hi, N)}; }
+inline vf to_float(vi a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline vf and_or(vi a, int32_t mask, int32_t bits) {
+  const __m256i m = _mm256_set1_epi32(mask), b = _mm256_set1_epi32(bits);
+  return {_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(a.lo, m), b)),
+          _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(a.hi, m), b))};
+}
+inline vf pairs(__m256 eight) {
+  return {_mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
+          _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))};
+}
+inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 eight(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(p))); }
+// The inputs k (even lanes) or k + 1 (odd lanes) of 8 outputs' pairs held in two __m256, in output order.
+template <int Odd>
+inline __m256 of_pairs(__m256 a, __m256 b) {
+  const __m256 picked = _mm256_shuffle_ps(a, b, Odd ? 0xDD : 0x88);  // per 128 bits: a's two, then b's two
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(picked), 0xD8));
+}
+// A bf16 step of one block from fp32 (lo: outputs 0–7's pairs, hi: 8–15's), rounded as `store` rounds.
+inline Step<at::BFloat16>::Vec bf16_step(vf lo, vf hi) {
+  const vf l = round_bf16(lo), h = round_bf16(hi);
+  return {{of_pairs<0>(l.lo, l.hi), of_pairs<0>(h.lo, h.hi)}, {of_pairs<1>(l.lo, l.hi), of_pairs<1>(h.lo, h.hi)}};
+}
+
 // Register tiles (16 vector registers): 1 row × a whole panel (the decode shape: the most
 // independent sums per weight byte read), 2 rows × 2 blocks, or one block for more rows: 4 in bf16
 // (a step's weights take 4 registers), 6 in fp32 (2), 12 accumulators.
@@ -308,21 +361,202 @@ Tile<T> tile_of(int64_t mb, int64_t nb) {
   return tiles[mb - 1][nb - 1];
 }
 
-// Rows [0, M) times blocks [b0, b1) (b0 a panel's first) of a packed weight with N outputs; out is
-// [M, N] with stride ldo.
-template <typename T, typename Out>
-void gemm_blocks(const T* x, int64_t ldx, int64_t M, const T* w, int64_t P, int64_t N, Out* out, int64_t ldo,
-                 int64_t b0, int64_t b1) {
+// Packed bf16 or fp32 panels, read as they are.
+template <typename T>
+struct PlainPanels {
+  const T* w;  // panel 0
+  int64_t P;
+  const T* panel_w = nullptr;
+
+  void begin(int64_t panel, bool /*one_row_tile*/) { panel_w = w + panel * P * kPanelStep<T>; }
+  void tile(int64_t mb, int64_t nb, int64_t j0, const T* x, int64_t ldx, vf (&acc)[kMaxRows][kMaxBlocks]) const {
+    tile_of<T>(mb, nb)(x, ldx, panel_w + j0 * kLanes * Step<T>::kInputs, P, acc);
+  }
+};
+
+// ---- Quantized weights (moeshard.kernels.PackedQuantized), dequantized in registers ----------
+//
+// Each weight becomes bf16(fp32(value − zero) · scale), moeshard.kernels.quant.dequantize's
+// definition: the difference exact, one fp32 multiply, one rounding to nearest even; then the bf16
+// step adds it as it adds a stored bf16 weight. So a product equals, bit for bit, the bf16 kernel's
+// on the dequantized weights, on either build. The exact difference needs no conversion where a
+// magic number does it: the fp32 bits 0x4B000000 | n read 2²³ + n (n < 2²³), and minus 2²³ + zero
+// (exact, one subtraction) leave n − zero.
+//
+// A block's bytes of one step hold its 16 outputs × 2 inputs in the bf16 step's order; the kernel
+// turns them into two fp32 vectors, `lo` (outputs 0–7's pairs) and `hi` (outputs 8–15's), which
+// scale vectors of pair-repeated scales multiply: the per-group constants (QConsts) are made
+// once per group and block, not per step.
+
+enum class QKind { kFp8, kInt8, kUint8, kInt4 };  // kUint8: int8 with zero points; kInt4: zero points or 8
+
+struct QConsts {
+  vf scale_lo, scale_hi, zero_lo, zero_hi;  // zero_*: what the kind subtracts (magic number included)
+};
+
+constexpr int32_t kMagic23 = 0x4B000000;  // 2²³: n in the low mantissa bits reads 2²³ + n
+constexpr int32_t kMagic19 = 0x49000000;  // 2¹⁹: 16·n in the low mantissa bits reads 2¹⁹ + n
+
+template <QKind Q>
+struct Dequant;
+
+template <>
+struct Dequant<QKind::kFp8> {
+  static constexpr int64_t kBlockBytes = 32;
+  // e4m3's sign, exponent and mantissa moved to fp32's fields: the value · 2⁻¹²⁰, exactly (subnormals
+  // too), which the scale · 2¹²⁰ (exact: pack_quantized keeps scales below 2⁸) multiplies once.
+  static vf raw(const uint8_t* p) { return and_or(shl<20>(load_sx(p)), int32_t(0x87F00000u), 0); }
+  static QConsts consts(const float* s, const uint8_t*) {
+    const vf up = set1(0x1p120f);
+    return {mul(pairs(eight(s)), up), mul(pairs(eight(s + 8)), up), zero(), zero()};
+  }
+  static void halves(const uint8_t* p, const QConsts& c, vf& lo, vf& hi) {
+    lo = mul(raw(p), c.scale_lo);
+    hi = mul(raw(p + 16), c.scale_hi);
+  }
+};
+
+template <>
+struct Dequant<QKind::kInt8> {
+  static constexpr int64_t kBlockBytes = 32;
+  static QConsts consts(const float* s, const uint8_t*) { return {pairs(eight(s)), pairs(eight(s + 8)), zero(), zero()}; }
+  static void halves(const uint8_t* p, const QConsts& c, vf& lo, vf& hi) {
+    lo = mul(to_float(load_sx(p)), c.scale_lo);
+    hi = mul(to_float(load_sx(p + 16)), c.scale_hi);
+  }
+};
+
+template <>
+struct Dequant<QKind::kUint8> {
+  static constexpr int64_t kBlockBytes = 32;
+  static QConsts consts(const float* s, const uint8_t* z) {
+    const vf bias = set1(0x1p23f);
+    return {pairs(eight(s)), pairs(eight(s + 8)), add(pairs(eight(z)), bias), add(pairs(eight(z + 8)), bias)};
+  }
+  static void halves(const uint8_t* p, const QConsts& c, vf& lo, vf& hi) {
+    lo = mul(sub(and_or(load_zx(p), 0xFF, kMagic23), c.zero_lo), c.scale_lo);
+    hi = mul(sub(and_or(load_zx(p + 16), 0xFF, kMagic23), c.zero_hi), c.scale_hi);
+  }
+};
+
+template <>
+struct Dequant<QKind::kInt4> {
+  static constexpr int64_t kBlockBytes = 16;  // byte t: weight t (low nibble), weight t + 16 (high)
+  static QConsts consts(const float* s, const uint8_t* z) {
+    const vf lo = z ? pairs(eight(z)) : set1(8.f), hi = z ? pairs(eight(z + 8)) : set1(8.f);
+    return {pairs(eight(s)), pairs(eight(s + 8)), add(lo, set1(0x1p23f)), add(hi, set1(0x1p19f))};
+  }
+  static void halves(const uint8_t* p, const QConsts& c, vf& lo, vf& hi) {
+    const vi bytes = load_zx(p);
+    lo = mul(sub(and_or(bytes, 0x0F, kMagic23), c.zero_lo), c.scale_lo);
+    hi = mul(sub(and_or(bytes, 0xF0, kMagic19), c.zero_hi), c.scale_hi);
+  }
+};
+
+template <QKind Q>
+struct QuantPanels;
+
+// acc[i][j] as `tile` computes it on the dequantized weights: the same steps in the same order.
+template <QKind Q, int MB, int NB>
+void quant_tile(const at::BFloat16* x, int64_t ldx, const QuantPanels<Q>& w, int64_t j0,
+                vf (&out)[kMaxRows][kMaxBlocks]) {
+  using S = Step<at::BFloat16>;
+  using D = Dequant<Q>;
+  vf acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = zero();
+  const uint8_t* values = w.panel_values + j0 * D::kBlockBytes;
+  for (int64_t g = 0, p0 = 0; p0 < w.P; ++g, p0 += w.group_steps) {
+    QConsts c[NB];
+    for (int j = 0; j < NB; ++j) c[j] = w.consts(g, j0 + j);
+    for (int64_t p = p0, p1 = std::min(w.P, p0 + w.group_steps); p < p1; ++p) {
+      S::Vec wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        vf lo, hi;
+        D::halves(values + p * QuantPanels<Q>::kStepBytes + j * D::kBlockBytes, c[j], lo, hi);
+        wv[j] = bf16_step(lo, hi);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const S::Vec xv = S::inputs(x + i * ldx, p);
+        for (int j = 0; j < NB; ++j) acc[i][j] = S::add(acc[i][j], xv, wv[j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i][j] = acc[i][j];
+}
+
+// Quantized panels: rows that one register tile holds are computed on the weights dequantized in
+// registers (each weight once); more rows on the panel dequantized once into a bf16 scratch panel,
+// then read by the bf16 tiles (the same bits either way).
+template <QKind Q>
+struct QuantPanels {
+  static constexpr int64_t kStepBytes = kMaxBlocks * Dequant<Q>::kBlockBytes;
+  const uint8_t* values;  // panel 0's
+  const float* scale;
+  const uint8_t* zero;  // or nullptr
+  int64_t P, groups, group_steps;
+  const uint8_t* panel_values = nullptr;
+  const float* panel_scale = nullptr;
+  const uint8_t* panel_zero = nullptr;
+  const at::BFloat16* dequantized = nullptr;
+
+  QConsts consts(int64_t g, int64_t block) const {
+    const int64_t at = g * kMaxBlocks * kLanes + block * kLanes;
+    return Dequant<Q>::consts(panel_scale + at, panel_zero ? panel_zero + at : nullptr);
+  }
+
+  void begin(int64_t panel, bool one_row_tile) {
+    panel_values = values + panel * P * kStepBytes;
+    panel_scale = scale + panel * groups * kMaxBlocks * kLanes;
+    panel_zero = zero ? zero + panel * groups * kMaxBlocks * kLanes : nullptr;
+    dequantized = one_row_tile ? nullptr : dequantize_panel();
+  }
+
+  const at::BFloat16* dequantize_panel() const {
+    thread_local std::vector<at::BFloat16> scratch;
+    scratch.resize(P * kPanelStep<at::BFloat16>);
+    at::BFloat16* out = scratch.data();
+    for (int64_t g = 0, p0 = 0; p0 < P; ++g, p0 += group_steps)
+      for (int64_t j = 0; j < kMaxBlocks; ++j) {
+        const QConsts c = consts(g, j);
+        for (int64_t p = p0, p1 = std::min(P, p0 + group_steps); p < p1; ++p) {
+          vf lo, hi;
+          Dequant<Q>::halves(panel_values + p * kStepBytes + j * Dequant<Q>::kBlockBytes, c, lo, hi);
+          at::BFloat16* step = out + p * kPanelStep<at::BFloat16> + j * 2 * kLanes;
+          store(step, lo, kAll);
+          store(step + kLanes, hi, kAll);
+        }
+      }
+    return out;
+  }
+
+  void tile(int64_t mb, int64_t nb, int64_t j0, const at::BFloat16* x, int64_t ldx,
+            vf (&acc)[kMaxRows][kMaxBlocks]) const {
+    if (dequantized) return tile_of<at::BFloat16>(mb, nb)(x, ldx, dequantized + j0 * kLanes * 2, P, acc);
+    using QTile = void (*)(const at::BFloat16*, int64_t, const QuantPanels&, int64_t, vf(&)[kMaxRows][kMaxBlocks]);
+#define MOESHARD_QTILES(M) {&quant_tile<Q, M, 1>, &quant_tile<Q, M, 2>, &quant_tile<Q, M, 3>, &quant_tile<Q, M, 4>}
+    static constexpr QTile tiles[kMaxRows][kMaxBlocks] = {MOESHARD_QTILES(1), MOESHARD_QTILES(2), MOESHARD_QTILES(3),
+                                                          MOESHARD_QTILES(4), MOESHARD_QTILES(5), MOESHARD_QTILES(6)};
+#undef MOESHARD_QTILES
+    tiles[mb - 1][nb - 1](x, ldx, *this, j0, acc);
+  }
+};
+
+// Rows [0, M) times blocks [b0, b1) (b0 a panel's first) of packed weights `w` (PlainPanels or
+// QuantPanels) with N outputs; out is [M, N] with stride ldo.
+template <typename T, typename Out, typename W>
+void gemm_blocks(const T* x, int64_t ldx, int64_t M, W w, int64_t N, Out* out, int64_t ldo, int64_t b0, int64_t b1) {
   vf acc[kMaxRows][kMaxBlocks];
   for (int64_t b = b0; b < b1; b += kMaxBlocks) {
     const int64_t panel_blocks = std::min(kMaxBlocks, b1 - b);
-    const T* wb = w + b / kMaxBlocks * P * kPanelStep<T>;
+    w.begin(b / kMaxBlocks, tile_shape<T>(M, 1).rows >= M);
     for (int64_t m = 0, mb; m < M; m += mb) {
       const Shape shape = tile_shape<T>(M - m, 1);
       mb = shape.rows;
       for (int64_t j0 = 0; j0 < panel_blocks; j0 += shape.blocks) {
         const int64_t nb = std::min(shape.blocks, panel_blocks - j0);
-        tile_of<T>(mb, nb)(x + m * ldx, ldx, wb + j0 * kLanes * Step<T>::kInputs, P, acc);
+        w.tile(mb, nb, j0, x + m * ldx, ldx, acc);
         for (int64_t i = 0; i < mb; ++i)
           for (int64_t j = 0; j < nb; ++j) {
             const int64_t n = (b + j0 + j) * kLanes;
@@ -362,19 +596,18 @@ inline vf swiglu_ps(vf gate, vf up) {
 
 // Rows [0, M) of one expert's gate/up (blocks interleaved: gate block c, then up block c) → h [M, Ip],
 // for intermediate blocks [c0, c1), c0 even (a panel holds two intermediate blocks).
-template <typename T>
-void gate_up_blocks(const T* x, int64_t ldx, int64_t M, const T* w13, int64_t P, T* h, int64_t Ip, int64_t c0,
-                    int64_t c1) {
+template <typename T, typename W>
+void gate_up_blocks(const T* x, int64_t ldx, int64_t M, W w13, T* h, int64_t Ip, int64_t c0, int64_t c1) {
   vf acc[kMaxRows][kMaxBlocks];
   for (int64_t c = c0; c < c1; c += 2) {
     const int64_t pairs = std::min<int64_t>(2, c1 - c);
-    const T* wb = w13 + c / 2 * P * kPanelStep<T>;
+    w13.begin(c / 2, tile_shape<T>(M, 2).rows >= M);
     for (int64_t m = 0, mb; m < M; m += mb) {
       const Shape shape = tile_shape<T>(M - m, 2);  // a tile holds both halves of its outputs
       mb = shape.rows;
       for (int64_t q0 = 0; q0 < pairs; q0 += shape.blocks / 2) {
         const int64_t nq = std::min(shape.blocks / 2, pairs - q0);
-        tile_of<T>(mb, 2 * nq)(x + m * ldx, ldx, wb + 2 * q0 * kLanes * Step<T>::kInputs, P, acc);
+        w13.tile(mb, 2 * nq, 2 * q0, x + m * ldx, ldx, acc);
         for (int64_t i = 0; i < mb; ++i)
           for (int64_t j = 0; j < nq; ++j)
             store(h + (m + i) * Ip + (c + q0 + j) * kLanes, swiglu_ps<T>(acc[i][2 * j], acc[i][2 * j + 1]), kAll);
@@ -403,15 +636,14 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, int64_t P) {
 // The experts' work is split in chunks of this many blocks (one panel), per expert.
 constexpr int64_t kGrainBlocks = kMaxBlocks;
 
-template <typename T, typename Out>
-void linear_impl(const at::Tensor& x_MK, const at::Tensor& w_BPs, int64_t N, at::Tensor& out) {
-  const int64_t P = w_BPs.size(1), M = x_MK.size(0), blocks = w_BPs.size(0) * kMaxBlocks;
+template <typename T, typename Out, typename W>
+void linear_impl(const at::Tensor& x_MK, const W& w, int64_t panels, int64_t N, at::Tensor& out) {
+  const int64_t M = x_MK.size(0), blocks = panels * kMaxBlocks;
   const T* x = x_MK.data_ptr<T>();
-  const T* w = w_BPs.data_ptr<T>();
   Out* o = out.data_ptr<Out>();
   // Split by whole panels (a tile never straddles two), whatever ranges the threads get.
-  at::parallel_for(0, w_BPs.size(0), 1, [&](int64_t p0, int64_t p1) {
-    gemm_blocks(x, x_MK.stride(0), M, w, P, N, o, N, p0 * kMaxBlocks, std::min(p1 * kMaxBlocks, blocks));
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    gemm_blocks(x, x_MK.stride(0), M, w, N, o, N, p0 * kMaxBlocks, std::min(p1 * kMaxBlocks, blocks));
   });
 }
 
@@ -424,19 +656,22 @@ at::Tensor linear(const at::Tensor& x_MK, const at::Tensor& w_BPs, int64_t N, bo
   const bool fp32 = is_float(w_BPs) || fp32_out;
   auto out = at::empty({x_MK.size(0), N}, x_MK.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
   if (x_MK.size(0) == 0 || N == 0) return out;
+  const int64_t panels = w_BPs.size(0), P = w_BPs.size(1);
   if (is_float(w_BPs))
-    linear_impl<float, float>(x_MK, w_BPs, N, out);
+    linear_impl<float, float>(x_MK, PlainPanels<float>{w_BPs.data_ptr<float>(), P}, panels, N, out);
   else if (fp32_out)
-    linear_impl<at::BFloat16, float>(x_MK, w_BPs, N, out);
+    linear_impl<at::BFloat16, float>(x_MK, PlainPanels<at::BFloat16>{w_BPs.data_ptr<at::BFloat16>(), P}, panels, N, out);
   else
-    linear_impl<at::BFloat16, at::BFloat16>(x_MK, w_BPs, N, out);
+    linear_impl<at::BFloat16, at::BFloat16>(x_MK, PlainPanels<at::BFloat16>{w_BPs.data_ptr<at::BFloat16>(), P}, panels,
+                                            N, out);
   return out;
 }
 
-template <typename T>
-void grouped_swiglu_impl(const at::Tensor& x_MD, const at::Tensor& w13, const at::Tensor& w2,
+// Rows sorted by expert; experts(l) gives expert l's gate/up and down panels (PlainPanels or QuantPanels).
+template <typename T, typename Experts>
+void grouped_swiglu_impl(const at::Tensor& x_MD, int64_t L, int64_t down_panels, Experts experts,
                          const std::vector<int64_t>& starts, at::Tensor& h, at::Tensor& y) {
-  const int64_t L = w13.size(0), P13 = w13.size(2), Ip = h.size(1), P2 = w2.size(2), D = x_MD.size(1);
+  const int64_t Ip = h.size(1), D = x_MD.size(1);
   const T* x = x_MD.data_ptr<T>();
   const int64_t ldx = x_MD.stride(0);
   T* hp = h.data_ptr<T>();
@@ -450,15 +685,32 @@ void grouped_swiglu_impl(const at::Tensor& x_MD, const at::Tensor& w13, const at
       }
     });
   };
-  const int64_t expert13 = w13.size(1) * P13 * kPanelStep<T>, expert2 = w2.size(1) * P2 * kPanelStep<T>;
   for_each_chunk(Ip / kLanes, [&](int64_t l, int64_t c0, int64_t c1) {
-    gate_up_blocks(x + starts[l] * ldx, ldx, starts[l + 1] - starts[l], w13.data_ptr<T>() + l * expert13, P13,
-                   hp + starts[l] * Ip, Ip, c0, c1);
+    gate_up_blocks(x + starts[l] * ldx, ldx, starts[l + 1] - starts[l], experts(l).first, hp + starts[l] * Ip, Ip, c0, c1);
   });
-  for_each_chunk(w2.size(1) * kMaxBlocks, [&](int64_t l, int64_t b0, int64_t b1) {
-    gemm_blocks(hp + starts[l] * Ip, Ip, starts[l + 1] - starts[l], w2.data_ptr<T>() + l * expert2, P2, D,
-                y.data_ptr<T>() + starts[l] * D, D, b0, b1);
+  for_each_chunk(down_panels * kMaxBlocks, [&](int64_t l, int64_t b0, int64_t b1) {
+    gemm_blocks(hp + starts[l] * Ip, Ip, starts[l + 1] - starts[l], experts(l).second, D, y.data_ptr<T>() + starts[l] * D,
+                D, b0, b1);
   });
+}
+
+// Group ends → row starts per local expert (checked), and the outputs, zero past the last end.
+std::vector<int64_t> group_starts(const at::Tensor& group_ends_L, int64_t L, int64_t M) {
+  auto ends = group_ends_L.to(at::kLong).contiguous();
+  TORCH_CHECK(ends.numel() == L, "grouped_swiglu: one group end per local expert");
+  std::vector<int64_t> starts(L + 1, 0);
+  for (int64_t l = 0; l < L; ++l) {
+    starts[l + 1] = ends.data_ptr<int64_t>()[l];
+    TORCH_CHECK(starts[l] <= starts[l + 1], "grouped_swiglu: group ends must not decrease");
+  }
+  TORCH_CHECK(starts[L] <= M, "grouped_swiglu: group ends past the rows");
+  return starts;
+}
+
+at::Tensor zero_past(const at::Tensor& x_MD, int64_t computed) {
+  auto y = at::empty({x_MD.size(0), x_MD.size(1)}, x_MD.options());
+  if (computed < x_MD.size(0)) y.narrow(0, computed, x_MD.size(0) - computed).zero_();
+  return y;
 }
 
 // Rows sorted by local expert: rows [ends[l-1], ends[l]) use expert l. Returns
@@ -469,25 +721,138 @@ at::Tensor grouped_swiglu(const at::Tensor& x_MD, const at::Tensor& w13, const a
   check_weight(w13, 5, "w13");
   check_weight(w2, 5, "w2");
   TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "grouped_swiglu: w13 and w2 differ in dtype");
-  const int64_t L = w13.size(0), Ip = w13.size(1) * 2 * kLanes, M = x_MD.size(0), D = x_MD.size(1);
+  const int64_t L = w13.size(0), Ip = w13.size(1) * 2 * kLanes, D = x_MD.size(1);
   check_rows(x_MD, w13, w13.size(2));
   TORCH_CHECK(w2.size(0) == L && w2.size(2) * w2.size(4) == Ip && w2.size(1) * kMaxBlocks * kLanes >= D,
               "grouped_swiglu: w2 does not match w13");
-  auto ends = group_ends_L.to(at::kLong).contiguous();
-  TORCH_CHECK(ends.numel() == L, "grouped_swiglu: one group end per local expert");
-  std::vector<int64_t> starts(L + 1, 0);
-  for (int64_t l = 0; l < L; ++l) {
-    starts[l + 1] = ends.data_ptr<int64_t>()[l];
-    TORCH_CHECK(starts[l] <= starts[l + 1], "grouped_swiglu: group ends must not decrease");
-  }
-  TORCH_CHECK(starts[L] <= M, "grouped_swiglu: group ends past the rows");
+  const std::vector<int64_t> starts = group_starts(group_ends_L, L, x_MD.size(0));
   auto h = at::empty({starts[L], Ip}, x_MD.options());
-  auto y = at::empty({M, D}, x_MD.options());
-  if (starts[L] < M) y.narrow(0, starts[L], M - starts[L]).zero_();
+  auto y = zero_past(x_MD, starts[L]);
+  auto run = [&](auto zero_element) {
+    using T = decltype(zero_element);
+    const T *w13p = w13.data_ptr<T>(), *w2p = w2.data_ptr<T>();
+    const int64_t P13 = w13.size(2), P2 = w2.size(2);
+    const int64_t expert13 = w13.size(1) * P13 * kPanelStep<T>, expert2 = w2.size(1) * P2 * kPanelStep<T>;
+    grouped_swiglu_impl<T>(x_MD, L, w2.size(1), [&](int64_t l) {
+      return std::make_pair(PlainPanels<T>{w13p + l * expert13, P13}, PlainPanels<T>{w2p + l * expert2, P2});
+    }, starts, h, y);
+  };
   if (is_float(w13))
-    grouped_swiglu_impl<float>(x_MD, w13, w2, starts, h, y);
+    run(float{});
   else
-    grouped_swiglu_impl<at::BFloat16>(x_MD, w13, w2, starts, h, y);
+    run(at::BFloat16{});
+  return y;
+}
+
+// ---- The quantized ops --------------------------------------------------------------------
+
+// Checks a quantized weight's panels ([lead], then [B, P, 64, 2] values, or [B, P, 64] for int4;
+// scale and zero [B, ceil(2P/G), 64]) and returns its step count P.
+int64_t check_quantized(const at::Tensor& values, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                        const std::string& kind, int64_t group, int64_t lead, const char* name) {
+  TORCH_CHECK(kind == "fp8" || kind == "int8" || kind == "int4", name, ": the quantization must be fp8, int8 or int4, got ",
+              kind);
+  TORCH_CHECK(group >= 2 && group % 2 == 0, name, ": a quantization group must be a positive even number of inputs "
+              "(the kernels read inputs in pairs), got ", group);
+  const bool int4 = kind == "int4";
+  TORCH_CHECK(values.scalar_type() == at::kByte && values.device().is_cpu() && values.is_contiguous() &&
+                  values.dim() == lead + (int4 ? 3 : 4) && values.size(lead + 2) == kMaxBlocks * kLanes &&
+                  (int4 || values.size(lead + 3) == 2),
+              name, "'s values must be uint8 panels made by moeshard.kernels.pack_quantized");
+  const int64_t B = values.size(lead), P = values.size(lead + 1), groups = (2 * P + group - 1) / group;
+  auto panels_of_groups = [&](const at::Tensor& t) {
+    return t.device().is_cpu() && t.is_contiguous() && t.dim() == lead + 3 && t.size(lead) == B &&
+           t.size(lead + 1) == groups && t.size(lead + 2) == kMaxBlocks * kLanes &&
+           (lead == 0 || t.size(0) == values.size(0));
+  };
+  TORCH_CHECK(is_float(scale) && panels_of_groups(scale), name, "'s scales must be float32 panels of ", groups,
+              " groups of ", group, " inputs, as its values");
+  TORCH_CHECK(!zero.has_value() || kind != "fp8", name, ": fp8 weights have no zero points");
+  TORCH_CHECK(!zero.has_value() || (zero->scalar_type() == at::kByte && panels_of_groups(*zero)), name,
+              "'s zero points must be uint8 panels shaped as its scales");
+  return P;
+}
+
+void check_quantized_rows(const at::Tensor& x, int64_t P) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "quantized weights take bfloat16 activations, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0, "x must be [M, K] rows (an even row stride)");
+  TORCH_CHECK(x.size(1) == 2 * P, "x has ", x.size(1), " inputs; the packed weight has ", 2 * P);
+}
+
+// The panels of a quantized weight ([lead] dims first), of kind Q.
+template <QKind Q>
+QuantPanels<Q> quant_panels(const at::Tensor& values, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                            int64_t group, int64_t lead) {
+  return {values.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.has_value() ? zero->data_ptr<uint8_t>() : nullptr,
+          values.size(lead + 1), scale.size(lead + 1), group / 2};
+}
+
+// body(std::integral_constant<QKind, Q>) for the weights' kind Q.
+template <typename Body>
+void with_kind(const std::string& kind, bool zero_points, Body&& body) {
+  if (kind == "fp8")
+    body(std::integral_constant<QKind, QKind::kFp8>{});
+  else if (kind == "int8" && !zero_points)
+    body(std::integral_constant<QKind, QKind::kInt8>{});
+  else if (kind == "int8")
+    body(std::integral_constant<QKind, QKind::kUint8>{});
+  else
+    body(std::integral_constant<QKind, QKind::kInt4>{});
+}
+
+// Expert l's panels of a [L, ...] quantized weight.
+template <QKind Q>
+QuantPanels<Q> expert_panels(QuantPanels<Q> w, int64_t panels, int64_t l) {
+  w.values += l * panels * w.P * QuantPanels<Q>::kStepBytes;
+  w.scale += l * panels * w.groups * kMaxBlocks * kLanes;
+  if (w.zero) w.zero += l * panels * w.groups * kMaxBlocks * kLanes;
+  return w;
+}
+
+// x [M, K] (bf16) · a quantized packed weight → [M, N], bf16 or fp32 (fp32_out): the bf16 linear's
+// bits on the dequantized weights.
+at::Tensor linear_quantized(const at::Tensor& x_MK, const at::Tensor& values, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& zero, const std::string& kind, int64_t group, int64_t N,
+                            bool fp32_out) {
+  const int64_t P = check_quantized(values, scale, zero, kind, group, 0, "weight");
+  TORCH_CHECK(values.size(0) * kMaxBlocks * kLanes >= N, "the packed weight has fewer than ", N, " outputs");
+  check_quantized_rows(x_MK, P);
+  auto out = at::empty({x_MK.size(0), N}, x_MK.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  if (x_MK.size(0) == 0 || N == 0) return out;
+  with_kind(kind, zero.has_value(), [&](auto q) {
+    const auto w = quant_panels<decltype(q)::value>(values, scale, zero, group, 0);
+    if (fp32_out)
+      linear_impl<at::BFloat16, float>(x_MK, w, values.size(0), N, out);
+    else
+      linear_impl<at::BFloat16, at::BFloat16>(x_MK, w, values.size(0), N, out);
+  });
+  return out;
+}
+
+// grouped_swiglu over quantized gate/up (w13, pack_gate_up_quantized) and down (w2,
+// pack_down_quantized) weights of one format: the bf16 grouped_swiglu's bits on the dequantized weights.
+at::Tensor grouped_swiglu_quantized(const at::Tensor& x_MD, const at::Tensor& values13, const at::Tensor& scale13,
+                                    const c10::optional<at::Tensor>& zero13, const at::Tensor& values2,
+                                    const at::Tensor& scale2, const c10::optional<at::Tensor>& zero2,
+                                    const std::string& kind, int64_t group, const at::Tensor& group_ends_L) {
+  const int64_t P13 = check_quantized(values13, scale13, zero13, kind, group, 1, "w13");
+  const int64_t P2 = check_quantized(values2, scale2, zero2, kind, group, 1, "w2");
+  TORCH_CHECK(zero13.has_value() == zero2.has_value(), "grouped_swiglu: w13 and w2 must both have zero points or neither");
+  check_quantized_rows(x_MD, P13);
+  const int64_t L = values13.size(0), Ip = values13.size(1) * 2 * kLanes, D = x_MD.size(1);
+  TORCH_CHECK(values2.size(0) == L && 2 * P2 == Ip && values2.size(1) * kMaxBlocks * kLanes >= D,
+              "grouped_swiglu: w2 does not match w13");
+  const std::vector<int64_t> starts = group_starts(group_ends_L, L, x_MD.size(0));
+  auto h = at::empty({starts[L], Ip}, x_MD.options());
+  auto y = zero_past(x_MD, starts[L]);
+  with_kind(kind, zero13.has_value(), [&](auto q) {
+    constexpr QKind Q = decltype(q)::value;
+    const auto w13 = quant_panels<Q>(values13, scale13, zero13, group, 1);
+    const auto w2 = quant_panels<Q>(values2, scale2, zero2, group, 1);
+    grouped_swiglu_impl<at::BFloat16>(x_MD, L, values2.size(1), [&](int64_t l) {
+      return std::make_pair(expert_panels(w13, values13.size(1), l), expert_panels(w2, values2.size(1), l));
+    }, starts, h, y);
+  });
   return y;
 }
 
@@ -780,6 +1145,10 @@ at::Tensor rotary(const at::Tensor& x_THr, const at::Tensor& cos_Xr, const at::T
 TORCH_LIBRARY(moeshard_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, int N, bool fp32_out) -> Tensor");
   m.def("grouped_swiglu(Tensor x, Tensor w13, Tensor w2, Tensor group_ends) -> Tensor");
+  m.def("linear_quantized(Tensor x, Tensor values, Tensor scale, Tensor? zero, str kind, int group, int N, "
+        "bool fp32_out) -> Tensor");
+  m.def("grouped_swiglu_quantized(Tensor x, Tensor values13, Tensor scale13, Tensor? zero13, Tensor values2, "
+        "Tensor scale2, Tensor? zero2, str kind, int group, Tensor group_ends) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_starts, Tensor seq_lens, "
         "Tensor slots, float scale, int window) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -789,6 +1158,8 @@ TORCH_LIBRARY(moeshard_cpu, m) {
 TORCH_LIBRARY_IMPL(moeshard_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("grouped_swiglu", &grouped_swiglu);
+  m.impl("linear_quantized", &linear_quantized);
+  m.impl("grouped_swiglu_quantized", &grouped_swiglu_quantized);
   m.impl("paged_attention", &paged_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
