@@ -82,6 +82,21 @@ def add_dtype(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_quantization(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", choices=("fp8", "int8", "int4"), default=None,
+                        help="quantize every linear weight a decode step reads at load, the LM head too, and hold it "
+                             "quantized (computes in bf16; docs/quantization.md)")
+    parser.add_argument("--quantization-skip", action="append", default=[], metavar="NAME",
+                        help="a module name, dotted suffix or pattern kept unquantized (e.g. lm_head); repeatable")
+    parser.add_argument("--quantization-group", type=int, default=128, help="inputs per quantization scale")
+
+
+def quantization_options(args: argparse.Namespace) -> dict:
+    """LLM's quantization options from `add_quantization`'s flags."""
+    return dict(quantization=args.quantization, quantization_skip=tuple(args.quantization_skip),
+                quantization_group=args.quantization_group)
+
+
 def add_batch_invariant(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's tokens and logprobs bitwise the same whatever runs beside it (docs/DESIGN.md §11)")

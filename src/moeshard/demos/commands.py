@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moeshard.commandline import METHODS, Registry, add_batch_invariant, add_compile, add_dtype, add_layout, lazy
+from moeshard.commandline import METHODS, Registry, add_batch_invariant, add_compile, add_dtype, add_layout, add_quantization, lazy
 
 
 def add_commands(registry: Registry) -> None:
@@ -22,6 +22,7 @@ def add_commands(registry: Registry) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     add_dtype(gen)
+    add_quantization(gen)
     add_batch_invariant(gen)
     gen.set_defaults(run=generate, layouts_of=generate_layouts)
 
@@ -73,6 +74,7 @@ def generate(args: argparse.Namespace) -> int:
     import re
 
     from moeshard.bundled.arithmetic import Problem
+    from moeshard.commandline import quantization_options
     from moeshard.engine import LLM, SamplingParams
 
     params = SamplingParams(
@@ -81,7 +83,7 @@ def generate(args: argparse.Namespace) -> int:
     )
     with LLM(args.model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, enable_expert_parallel=args.ep,
              moe_comm=args.moe_comm, compile=args.compile_backend if args.compile else False, dtype=args.dtype,
-             batch_invariant=args.batch_invariant) as llm:
+             batch_invariant=args.batch_invariant, **quantization_options(args)) as llm:
         for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
             if out.error is not None:
                 print(f"{prompt}  [error: {out.error}]")

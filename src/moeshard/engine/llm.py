@@ -9,11 +9,14 @@ other ranks are spawned here or started by torchrun (moeshard.engine.ranks).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
 from moeshard import kernels
+from moeshard.kernels.packed import Quantization
+from moeshard.kernels.quant import QuantFormat
 from moeshard.bundled.arithmetic import MODEL_DIR
 from moeshard.engine import worker
 from moeshard.engine.core import CoreLimits, EngineCore, EngineStats, RequestDelta
@@ -100,6 +103,19 @@ def checked_layout(
     return layout
 
 
+def checked_quantization(kind: str | None, skip: Sequence[str], group: int, dtype: str) -> Quantization | None:
+    """`LLM`'s quantization options as one setting, or a ValueError saying which is wrong."""
+    if kind is None:
+        if skip:
+            raise ValueError("quantization_skip names weights to keep unquantized, but no quantization is set.")
+        return None
+    if dtype != "bfloat16":
+        raise ValueError(f"quantized weights compute in bfloat16, so quantization={kind!r} cannot run with dtype={dtype!r}.")
+    if isinstance(skip, str):
+        skip = [skip]
+    return Quantization(QuantFormat(kind, group), tuple(skip))
+
+
 def check_batch_invariant() -> None:
     """Batch-invariant mode runs every product on moeshard's CPU kernels: refuse it where they do not run."""
     if not kernels.built():
@@ -129,6 +145,9 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         enable_prefix_caching: bool = True,
         batch_invariant: bool = False,
         kv_after_update: str = "keep",
+        quantization: str | None = None,
+        quantization_skip: Sequence[str] = (),
+        quantization_group: int = 128,
     ):
         """`model`: a Hugging Face model directory; None: the bundled arithmetic model.
         `compile`: True (inductor) or a torch.compile backend name.
@@ -139,7 +158,11 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         it (docs/DESIGN.md §11); needs moeshard's CPU kernels.
         `kv_after_update`: what a weight update made while a pause parks requests does to their K/V,
         unless a request says otherwise (SamplingParams.kv_after_update): "keep" it, or "recompute"
-        it under the new weights before their next token."""
+        it under the new weights before their next token.
+        `quantization`: "fp8", "int8" or "int4": every linear weight a decode step reads (the LM
+        head too, unless tied to the embedding) quantized at load, in groups of `quantization_group`
+        inputs, and held quantized; `quantization_skip`: module names or patterns kept as they are
+        (docs/quantization.md). Computes in bfloat16."""
         directory = Path(model) if model is not None else MODEL_DIR
         Inputs.__init__(self, directory, max_model_len, max_num_seqs, num_kv_blocks, block_size)
         cfg = self.config
@@ -151,9 +174,12 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
             check_batch_invariant()
         backend = "inductor" if compile is True else compile or None
         self.schema = WeightSchema.of(self.directory, cfg)
-        self.dtype = self.schema.serving_dtype() if dtype == "auto" else dtype
+        self.dtype = "bfloat16" if quantization is not None and dtype == "auto" else dtype
+        self.dtype = self.schema.serving_dtype() if self.dtype == "auto" else self.dtype
+        self.quantization = checked_quantization(quantization, quantization_skip, quantization_group, self.dtype)
         config = worker.WorkerConfig(
-            str(self.directory), self.layout, self.dtype, self.num_blocks, block_size, moe_comm, backend, batch_invariant
+            str(self.directory), self.layout, self.dtype, self.num_blocks, block_size, moe_comm, backend, batch_invariant,
+            self.quantization,
         )
         if kv_after_update not in KV_AFTER_UPDATE:
             raise ValueError(f"kv_after_update must be {' or '.join(KV_AFTER_UPDATE)}, got {kv_after_update!r}.")
@@ -176,6 +202,7 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
             "model_path": str(self.directory), "weight_version": self.weight_version, "is_generation": True,
             "dtype": self.dtype, "layout": self.layout.label(), "num_ranks": self.ranks.world_size,
             "max_model_len": self.max_model_len,
+            "quantization": None if self.quantization is None else self.quantization.fmt.kind,
         }
 
     def reset_prefix_cache(self) -> None:

@@ -22,6 +22,7 @@ from moeshard.engine.weight_sync import RankWeightSync, WeightsGroup
 from moeshard.models.model import load_model
 from moeshard.models.runner import ModelRunner
 from moeshard.moe.context import method_policy
+from moeshard.kernels.packed import Quantization
 from moeshard.parallel import Layout, set_layout
 from moeshard.runtime import invariance
 
@@ -36,6 +37,7 @@ class WorkerConfig:
     moe_comm: str
     compile_backend: str | None
     batch_invariant: bool = False
+    quantization: Quantization | None = None  # quantized at load (kernels.packed.Quantization)
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Worker(RankLifecycle, RankWeightSync):
         self.config, self.model_dir = config, config.model
         set_layout(config.layout)
         invariance.set_batch_invariant(config.batch_invariant)  # before the model: its modules read it
-        model = load_model(config.model, getattr(torch, config.dtype))
+        model = load_model(config.model, getattr(torch, config.dtype), config.quantization)
         force, policy = method_policy(config.moe_comm)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, policy, force, config.compile_backend)
         self.samplers: dict[int, Sampler] = {}  # on TP rank 0: its group's requests

@@ -294,7 +294,7 @@ _VALUE_DTYPES = {("fp8", False): torch.float8_e4m3fn, ("int8", False): torch.int
                  ("int4", False): torch.int8, ("int4", True): torch.int8}
 
 
-def _check_packable(q: Quantized) -> None:
+def check_packable(q: Quantized) -> None:
     fmt, want = q.fmt, _VALUE_DTYPES[(q.fmt.kind, q.fmt.zero_point)]
     if q.values.dtype != want:
         raise ValueError(f"{fmt.kind} weights{' with zero points' if fmt.zero_point else ''} hold {want} values, got {q.values.dtype}.")
@@ -347,7 +347,7 @@ def _pack_into(values_NK: torch.Tensor, scale_NX: torch.Tensor, zero_NX: torch.T
 def pack_quantized(q: Quantized, out: PackedQuantized | None = None) -> PackedQuantized:
     """A quantized weight [..., N, K] → its panels (PackedQuantized, layout "linear"), into `out`
     if given: copied straight from strided views, the only scratch a few panels (int4)."""
-    _check_packable(q)
+    check_packable(q)
     *lead, N, K = q.shape
     out = out if out is not None else _empty_packed(tuple(lead), N, K, q.fmt, q.shape, "linear")
     return _pack_into(q.values, q.scale, q.zero, out)
@@ -355,7 +355,7 @@ def pack_quantized(q: Quantized, out: PackedQuantized | None = None) -> PackedQu
 
 def _pack_quantized_experts(q: Quantized, out: PackedQuantized | None, layout: str, rows_out: int, K_out: int,
                             arrange_values, arrange_groups) -> PackedQuantized:
-    _check_packable(q)
+    check_packable(q)
     L = q.values.reshape(-1, *q.shape[-2:]).shape[0]
     shape = (L, *q.shape[-2:])
     out = out if out is not None else _empty_packed((L,), rows_out, K_out, q.fmt, shape, layout)

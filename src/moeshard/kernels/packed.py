@@ -16,17 +16,21 @@ wake change its storage, not its layout.
 A block goes into panels through strided views, panel by panel (whole panels in one call), with
 `pack_rows` (pack.cpp) doing the transposition; a block whose inputs do not fill whole steps (an
 odd intermediate size) is padded first, the only scratch (one block). A quantized layout (values,
-scales and zero points of kernels/quant.py, as panels) is one more class with these methods.
+scales and zero points of kernels/quant.py, as panels) is one more class with these methods
+(`QuantizedPanels`): its storage is one flat byte tensor, so a quantized weight is still one parameter.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fnmatch
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from moeshard import kernels
+from moeshard.kernels.quant import QuantFormat, Quantized, dequantize, quantize
 from moeshard.runtime import invariance
 
 PANEL = kernels.PANEL
@@ -91,12 +95,20 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros((), dtype=dtype).expand(shape)
 
 
+class InComputeDtype:
+    """A layout whose storage holds the weight in the model's dtype."""
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+
 @dataclass(frozen=True)
-class Plain:
+class Plain(InComputeDtype):
     """Hugging Face's layout: the storage is the logical weight."""
 
     shape: tuple[int, ...]
     packed = False
+    served = False  # its products run on moeshard.kernels
 
     def storage_shape(self) -> tuple[int, ...]:
         return self.shape
@@ -119,14 +131,14 @@ class Plain:
 
 
 @dataclass(frozen=True)
-class Panels:
+class Panels(InComputeDtype):
     """kernels.pack's layout: [*lead, ceil(N/64), inputs/s, 64, s], `inputs` = K, or more where the
     kernels read zero inputs past K (a SwiGLU's down projection: its intermediate size padded)."""
 
     shape: tuple[int, ...]
     step: int
     inputs: int
-    packed = True
+    packed = served = True
 
     def storage_shape(self) -> tuple[int, ...]:
         *lead, N, _ = self.shape
@@ -158,14 +170,14 @@ class Panels:
 
 
 @dataclass(frozen=True)
-class GateUpPanels:
+class GateUpPanels(InComputeDtype):
     """kernels.pack_gate_up's layout of a SwiGLU's fused gate-up weight [*lead, 2I, D] (gate rows
     first): the intermediate size padded to a multiple of 32, gate and up rows interleaved 16 at a
     time, then packed: [*lead, padded(I)/32, D/s, 64, s]."""
 
     shape: tuple[int, ...]
     step: int
-    packed = True
+    packed = served = True
 
     @property
     def intermediate(self) -> int:
@@ -218,13 +230,13 @@ class GateUpPanels:
 
 
 @dataclass(frozen=True)
-class TransposedPanels:
+class TransposedPanels(InComputeDtype):
     """A [*lead, N, K] weight whose product takes N inputs to K outputs (`x @ w`, MLA's absorbed key
     projection): the panels of its transpose (`panels`, of shape [*lead, K, N])."""
 
     shape: tuple[int, ...]
     panels: Panels
-    packed = True
+    packed = served = True
 
     def storage_shape(self) -> tuple[int, ...]:
         return self.panels.storage_shape()
@@ -242,6 +254,162 @@ class TransposedPanels:
 
     def linear(self, x: torch.Tensor, storage: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
         return self.panels.linear(x, storage, fp32_out)
+
+
+def fold_nibbles(values8: torch.Tensor, out: torch.Tensor) -> None:
+    """int4 values one a byte in `Panels`' layout [..., B, P, 64, 2] → two a byte [..., B, P, 64]
+    (kernels.PackedQuantized: in each 16-output block byte t holds weight t low, t + 16 high)."""
+    blocks = values8.flatten(-2).unflatten(-1, (PANEL // 16, 2, 16))
+    out.view(*out.shape[:-1], PANEL // 16, 16).copy_(blocks[..., 0, :] | (blocks[..., 1, :] << 4))
+
+
+def unfold_nibbles(values4: torch.Tensor) -> torch.Tensor:
+    """`fold_nibbles`' inverse: a new [..., B, P, 64, 2] tensor."""
+    nibbles = values4.view(*values4.shape[:-1], PANEL // 16, 1, 16)
+    return torch.cat([nibbles & 15, nibbles >> 4], dim=-2).view(*values4.shape, 2)
+
+
+def aligned(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+@dataclass(frozen=True)
+class QuantizedPanels:
+    """A quantized weight [*lead, N, K] (kernels/quant.py's format `fmt`) as the kernels read it
+    (kernels.PackedQuantized), `kind` "linear", "gate_up" (a SwiGLU's fused gate-up) or "down" (its
+    down projection): values, then fp32 scales (at a 4-byte boundary), then zero points, in one flat
+    byte tensor, so that sleep, wake, digests and held bytes see one parameter as for any weight.
+
+    Values lie as `Panels`/`GateUpPanels` lay bf16 weights out in steps of 2 (one byte each; int4
+    two a byte, `fold_nibbles`), scales and zero points as they lay a [*lead, N, K/G] weight out in
+    steps of 1: a block is written through those layouts. A block is a canonical `Quantized` one
+    in `fmt` (a published checkpoint's) or a bf16/fp32 one, quantized here (`quantize`); its inputs
+    must be whole groups. Padding holds zero values and scales (an fp8 byte of garbage may be NaN).
+    int4 goes through one leading index's values one a byte (`unfold_nibbles`): the only scratch."""
+
+    shape: tuple[int, ...]
+    fmt: QuantFormat
+    kind: str = "linear"
+    packed = True
+
+    @property
+    def served(self) -> bool:
+        return kernels.built()
+
+    def __post_init__(self):
+        if self.shape[-1] % self.fmt.group:
+            raise ValueError(f"a weight of {self.shape[-1]} inputs is not whole groups of {self.fmt.group}.")
+
+    def int4_offset(self) -> int:
+        """What the kernels' int4 nibbles add to a value: 8 for symmetric int4 (offset binary)."""
+        return 0 if self.fmt.zero_point else 8
+
+    def layouts(self) -> tuple:
+        """(values' layout, one byte a weight; the [*lead, N, K/G] scales' and zero points' layout)."""
+        *lead, N, K = self.shape
+        groups = (*lead, N, K // self.fmt.group)
+        if self.kind == "gate_up":
+            return GateUpPanels(self.shape, 2), GateUpPanels(groups, 1)
+        inputs = kernels.padded_intermediate(K) if self.kind == "down" else K
+        return Panels(self.shape, 2, inputs), Panels(groups, 1, -(-inputs // self.fmt.group))
+
+    def sizes(self) -> tuple[int, int, int]:
+        """Bytes of values, scales and zero points."""
+        values, groups = (math.prod(layout.storage_shape()) for layout in self.layouts())
+        return values * self.fmt.bits // 8, 4 * groups, groups if self.fmt.zero_point else 0
+
+    def storage_shape(self) -> tuple[int, ...]:
+        values, scales, zeros_ = self.sizes()
+        return (aligned(values) + scales + zeros_,)
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.uint8
+
+    def parts(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Views of `storage`: values ([..., B, P, 64, 2], int4 [..., B, P, 64]), scales and zero
+        points ([..., B, X, 64, 1])."""
+        value_layout, group_layout = self.layouts()
+        values_shape = value_layout.storage_shape()
+        if self.fmt.kind == "int4":
+            values_shape = values_shape[:-1]
+        n_values, n_scales, n_zeros = self.sizes()
+        start = aligned(n_values)
+        values = storage[:n_values].view(values_shape)
+        scale = storage[start : start + n_scales].view(torch.float32).view(group_layout.storage_shape())
+        zero = storage[start + n_scales :].view(group_layout.storage_shape()) if n_zeros else None
+        return values, scale, zero
+
+    def panels(self, storage: torch.Tensor) -> kernels.PackedQuantized:
+        values, scale, zero = self.parts(storage)
+        layout = "linear" if self.kind == "linear" else self.kind
+        return kernels.PackedQuantized(values, scale.squeeze(-1), None if zero is None else zero.squeeze(-1), self.fmt,
+                                       self.shape, layout)
+
+    def quantized(self, dest: tuple, values: torch.Tensor | Quantized) -> Quantized:
+        if isinstance(values, Quantized):
+            if values.fmt != self.fmt:
+                raise ValueError(f"a {values.fmt} block cannot be written into a {self.fmt} weight.")
+            return values
+        return quantize(values.expand(block_shape(self.shape, dest)), self.fmt)
+
+    def write(self, storage: torch.Tensor, dest: tuple, values: torch.Tensor | Quantized) -> None:
+        lead, rows, cols = split_index(self.shape, dest)
+        G = self.fmt.group
+        if cols.start % G or len(cols) % G:
+            raise ValueError(f"a block of a weight quantized in groups of {G} inputs must hold whole groups, got inputs {cols.start}…{cols.stop}.")
+        q = self.quantized(dest, values)
+        kernels.check_packable(q)
+        value_layout, group_layout = self.layouts()
+        values_s, scale_s, zero_s = self.parts(storage)
+        block = (*lead, slice(rows.start, rows.stop), slice(cols.start, cols.stop))
+        groups = (*lead, slice(rows.start, rows.stop), slice(cols.start // G, cols.stop // G))
+        levels = q.values.view(torch.uint8)
+        if self.fmt.kind == "int4":  # through one leading index's values one a byte (the only scratch)
+            scratch = unfold_nibbles(values_s[lead])
+            offset = self.int4_offset()
+            kept = tuple(slice(None) for d in lead if isinstance(d, slice))  # the lead dims a slice keeps
+            within = replace(value_layout, shape=block_shape(value_layout.shape, lead))
+            within.write(scratch, (*kept, *block[len(lead):]), (levels ^ offset) & 15)
+            fold_nibbles(scratch, values_s[lead])
+        else:
+            value_layout.write(values_s, block, levels)
+        group_layout.write(scale_s, groups, q.scale)
+        if zero_s is not None:
+            group_layout.write(zero_s, groups, q.zero.view(torch.uint8))
+
+    def zero_padding(self, storage: torch.Tensor) -> None:
+        value_layout, group_layout = self.layouts()
+        values, scale, zero = self.parts(storage)
+        if self.fmt.kind == "int4":  # every load writes the same bytes: digests compare padding too
+            offset = self.int4_offset()
+            scratch = unfold_nibbles(values) ^ offset
+            value_layout.zero_padding(scratch)
+            fold_nibbles(scratch ^ offset, values)
+        else:
+            value_layout.zero_padding(values)
+        group_layout.zero_padding(scale)
+        if zero is not None:
+            group_layout.zero_padding(zero)
+
+    def read(self, storage: torch.Tensor) -> torch.Tensor:
+        """The dequantized bf16 weight (kernels/quant.py's `dequantize`)."""
+        return dequantize(kernels.unpack_quantized(self.panels(storage)))
+
+    def operand(self, storage: torch.Tensor) -> kernels.PackedQuantized | torch.Tensor:
+        """What a product takes: the panels on the kernels, else the dequantized weight (torch's ops)."""
+        return self.panels(storage) if self.served else self.read(storage)
+
+    def linear(self, x: torch.Tensor, storage: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        if self.served:
+            return kernels.linear(x, self.panels(storage), self.shape[-2], fp32_out)
+        y = F.linear(x, self.read(storage).to(x.dtype))
+        return y.float() if fp32_out else y
+
+
+def operand(param: torch.Tensor) -> torch.Tensor | kernels.PackedQuantized:
+    """What a product with a parameter takes: its storage, or a quantized weight's `operand`."""
+    layout = param.weight_layout
+    return layout.operand(param.data) if isinstance(layout, QuantizedPanels) else param
 
 
 def logical(param: torch.Tensor) -> torch.Tensor:
@@ -268,19 +436,49 @@ def check_served(served: bool, what: str, shape: tuple[int, ...], dtype: torch.d
         )
 
 
-def for_linear(shape: tuple[int, ...], dtype: torch.dtype, device, what: str) -> Plain | Panels:
+@dataclass(frozen=True)
+class Quantization:
+    """`LLM(quantization=...)`: the format weights are quantized in at load, except those whose
+    checkpoint module name (e.g. "lm_head", "model.layers.0.self_attn.q_proj",
+    "model.layers.1.mlp.experts") matches an entry of `skip`: a name, a dotted suffix of one
+    ("o_proj", "mlp.experts") or an fnmatch pattern ("model.layers.0.*")."""
+
+    fmt: QuantFormat
+    skip: tuple[str, ...] = ()
+
+    def format_for(self, name: str) -> QuantFormat | None:
+        skipped = any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}") for p in self.skip)
+        return None if skipped else self.fmt
+
+
+def quantized_layout(shape: tuple[int, ...], fmt: QuantFormat, kind: str, dtype: torch.dtype, what: str) -> QuantizedPanels:
+    if dtype != torch.bfloat16:
+        raise ValueError(f"quantized weights compute in bfloat16, so {what} cannot be quantized in a {dtype} model.")
+    if shape[-1] % fmt.group:
+        raise ValueError(f"{what} has {shape[-1]} inputs, not whole quantization groups of {fmt.group}.")
+    return QuantizedPanels(tuple(shape), fmt, kind)
+
+
+def for_linear(shape: tuple[int, ...], dtype: torch.dtype, device, what: str,
+               fmt: QuantFormat | None = None) -> Plain | Panels | QuantizedPanels:
     """Panels where moeshard.kernels serve a [..., N, K] weight, else Plain (batch-invariant mode
-    refuses a weight the kernels cannot take: `what` names it)."""
+    refuses a weight the kernels cannot take: `what` names it); quantized panels with `fmt`."""
+    if fmt is not None:
+        return quantized_layout(shape, fmt, "linear", dtype, what)
     served = serves(shape, dtype, device)
     check_served(served, what, shape, dtype, device)
     return Panels(tuple(shape), kernels.step(dtype), shape[-1]) if served else Plain(tuple(shape))
 
 
 def for_swiglu(
-    gate_up_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: torch.dtype, device, what: str
-) -> tuple[Plain, Plain] | tuple[GateUpPanels, Panels]:
+    gate_up_shape: tuple[int, ...], down_shape: tuple[int, ...], dtype: torch.dtype, device, what: str,
+    fmt: QuantFormat | None = None,
+) -> tuple[Plain, Plain] | tuple[GateUpPanels, Panels] | tuple[QuantizedPanels, QuantizedPanels]:
     """A SwiGLU's gate-up [.., 2I, D] and down [.., D, I] layouts: packed where the kernels serve it
-    (any I: the kernels read zero rows and inputs up to the padded one)."""
+    (any I: the kernels read zero rows and inputs up to the padded one); quantized with `fmt`."""
+    if fmt is not None:
+        return (quantized_layout(gate_up_shape, fmt, "gate_up", dtype, what),
+                quantized_layout(down_shape, fmt, "down", dtype, what))
     served = serves(gate_up_shape, dtype, device)
     check_served(served, what, gate_up_shape, dtype, device)
     if not served:

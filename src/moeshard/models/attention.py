@@ -56,7 +56,7 @@ class Linear(nn.Module):
     ):
         super().__init__()
         O, I = size(rows, shape[0]), size(cols, shape[1])
-        self.layout = packed.for_linear((O, I), alloc.dtype, alloc.device, name)
+        self.layout = packed.for_linear((O, I), alloc.dtype, alloc.device, name, alloc.quantized(name))
         self.weight_OI = alloc((O, I), Block(f"{name}.weight", shape, (rows, cols)), layout=self.layout)
         self.bias_O = alloc((O,), Block(f"{name}.bias", shape[:1], (rows,))) if bias else None
 

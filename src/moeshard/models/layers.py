@@ -152,7 +152,9 @@ class VocabParallelEmbedding(nn.Module):
         real = max(0, min(self.rows, vocab - self.start))
         mine = Block(name, (vocab, hidden), (slice(self.start, self.start + real),), (slice(0, real),))
         shape = (self.rows, hidden)
-        self.layout = packed.for_linear(shape, alloc.dtype, alloc.device, "the LM head") if head else packed.Plain(shape)
+        # A tied head shares the embedding's table: it stays in the model's dtype (docs/quantization.md).
+        fmt = alloc.quantized("lm_head") if name == "lm_head.weight" else None
+        self.layout = packed.for_linear(shape, alloc.dtype, alloc.device, "the LM head", fmt) if head else packed.Plain(shape)
         self.weight_VD = alloc(shape, mine, padding=(slice(real, None),), layout=self.layout)
         self.comm = TPComm(parallel)
 
@@ -202,11 +204,14 @@ class DenseMLP(nn.Module):
         rows = block(intermediate, parallel.tp_rank, parallel.layout.tp)
         gate_up, down = swiglu_blocks(prefix, hidden, intermediate, rows)
         I = size(rows, intermediate)
-        gate_up_layout, down_layout = packed.for_swiglu((2 * I, hidden), (hidden, I), alloc.dtype, alloc.device, prefix)
+        gate_up_layout, down_layout = packed.for_swiglu(
+            (2 * I, hidden), (hidden, I), alloc.dtype, alloc.device, prefix, alloc.quantized(prefix)
+        )
         self.gate_up_FD = alloc((2 * I, hidden), *gate_up, layout=gate_up_layout)
         self.down_DI = alloc((hidden, I), down, layout=down_layout)
-        self.packed = gate_up_layout.packed
+        self.packed = gate_up_layout.served
         self.comm = TPComm(parallel)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.comm.reduce(swiglu(self.comm.gather_rows(x_TD), self.gate_up_FD, self.down_DI, self.packed))
+        gate_up, down = packed.operand(self.gate_up_FD), packed.operand(self.down_DI)
+        return self.comm.reduce(swiglu(self.comm.gather_rows(x_TD), gate_up, down, self.packed))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moeshard.kernels.packed import Quantization
+from moeshard.kernels.quant import QuantFormat
 from moeshard.models.checkpoint import TensorSource
 from moeshard.moe.weights import empty_param
 
@@ -56,6 +58,11 @@ class Alloc:
 
     dtype: torch.dtype
     device: torch.device | str
+    quantization: Quantization | None = None
+
+    def quantized(self, name: str) -> QuantFormat | None:
+        """The format checkpoint module `name`'s weight is quantized in at load, if any."""
+        return None if self.quantization is None else self.quantization.format_for(name)
 
     def __call__(
         self, shape: tuple[int, ...], *blocks: Block, padding: tuple | None = None, dtype: torch.dtype | None = None,
@@ -80,7 +87,7 @@ def write(param: nn.Parameter, load: ShardLoad, source: TensorSource) -> None:
     layout = param.weight_layout
     layout.zero_padding(param.data)
     if load.padding is not None:
-        layout.write(param.data, load.padding, torch.zeros((), dtype=param.dtype))
+        layout.write(param.data, load.padding, torch.zeros((), dtype=torch.float32 if layout.packed else param.dtype))
     for b in load.blocks:
         if source.skips(b.name):
             continue

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moeshard.kernels.packed import Quantization
 from moeshard.runtime import derived
 from moeshard.models.archs import Architecture, CheckpointNames, parse_config
 from moeshard.models.attention import Attention, LatentAttention, check_heads
@@ -134,10 +135,11 @@ class DecoderLayer(nn.Module):
         parallel: ParallelState,
         dtype: torch.dtype,
         stored: Container[str],
+        quantization: Quantization | None = None,
     ):
         super().__init__()
         layer: LayerConfig = cfg.layers[i]
-        prefix, alloc = f"model.layers.{i}", Alloc(dtype, parallel.device)
+        prefix, alloc = f"model.layers.{i}", Alloc(dtype, parallel.device, quantization)
         self.input_norm = RMSNorm(alloc, f"{prefix}.input_layernorm", cfg.hidden, cfg.rms_eps)
         self.post_attention_norm = RMSNorm(alloc, f"{prefix}.post_attention_layernorm", cfg.hidden, cfg.rms_eps)
         attention = LatentAttention if cfg.attention.is_mla else Attention
@@ -145,7 +147,8 @@ class DecoderLayer(nn.Module):
         if layer.moe is None:
             self.mlp = DenseMLP(alloc, f"{prefix}.mlp", cfg.hidden, layer.dense_intermediate, parallel)
         else:
-            self.mlp = MoELayer(layer.moe, None, dtype=dtype, name=f"{name}.moe")
+            formats = (alloc.quantized(f"{prefix}.mlp.experts"), alloc.quantized(f"{prefix}.mlp.shared_experts"))
+            self.mlp = MoELayer(layer.moe, None, dtype=dtype, name=f"{name}.moe", formats=formats)
             fmt = MoEFormat.of(stored, arch.names, prefix, layer.moe)
             attach_moe_blocks(self.mlp, fmt, arch.names, RankShard.of(layer.moe, parallel))
 
@@ -159,18 +162,19 @@ class CausalLM(nn.Module):
     read (Mixtral's or transformers 5's block name, stacked or per-expert); no tensor is read."""
 
     def __init__(
-        self, cfg: ModelConfig, arch: Architecture, parallel: ParallelState, dtype: torch.dtype, stored: Container[str]
+        self, cfg: ModelConfig, arch: Architecture, parallel: ParallelState, dtype: torch.dtype, stored: Container[str],
+        quantization: Quantization | None = None,
     ):
         super().__init__()
         check_layout(cfg, parallel.layout)
         self.cfg, self.arch, self.parallel, self.dtype = cfg, arch, parallel, dtype
-        alloc = Alloc(dtype, parallel.device)
+        alloc = Alloc(dtype, parallel.device, quantization)
         tied = cfg.tie_embeddings
         self.embed = VocabParallelEmbedding(alloc, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel, tied)
         self.rotary = Rotary(cfg.rope, cfg.max_positions, parallel.device)
         # Layer names are unique per process: the attention op and the MoE op find layers by name.
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, arch, i, f"model{next(_instances)}.{i}", parallel, dtype, stored)
+            DecoderLayer(cfg, arch, i, f"model{next(_instances)}.{i}", parallel, dtype, stored, quantization)
             for i in range(len(cfg.layers))
         )
         self.norm = RMSNorm(alloc, "model.norm", cfg.hidden, cfg.rms_eps)
@@ -224,12 +228,13 @@ def load_config(directory: str | Path) -> tuple[ModelConfig, Architecture]:
     return parse_config(read_config(directory))
 
 
-def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """This rank's part of the model in `directory`, for the current layout (every rank calls this)."""
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, quantization: Quantization | None = None) -> CausalLM:
+    """This rank's part of the model in `directory`, for the current layout (every rank calls this),
+    its linear weights quantized at load with `quantization` (docs/quantization.md)."""
     cfg, arch = load_config(directory)
     parallel = get_parallel_state()
     ckpt = Checkpoint(directory)
-    model, error = CausalLM(cfg, arch, parallel, dtype, stored=ckpt), None
+    model, error = CausalLM(cfg, arch, parallel, dtype, stored=ckpt, quantization=quantization), None
     try:
         load_weights(model, ckpt)
     except CheckpointError as exc:

@@ -13,6 +13,7 @@ from torch import nn
 
 from moeshard import kernels
 from moeshard.kernels import packed
+from moeshard.kernels.quant import QuantFormat
 from moeshard.moe.weights import empty_param
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,19 +57,20 @@ def grouped_linear(x_MD: torch.Tensor, w_LDN: torch.Tensor, group_ends_L: torch.
 class GroupedExperts(nn.Module):
     """SwiGLU experts: `down(silu(gate(x)) * up(x))`; allocated empty, filled by the layer or a loader."""
 
-    def __init__(self, num_local: int, hidden: int, intermediate: int, dtype: torch.dtype, device):
+    def __init__(self, num_local: int, hidden: int, intermediate: int, dtype: torch.dtype, device,
+                 fmt: QuantFormat | None = None):
         super().__init__()
         L, D, I = num_local, hidden, intermediate
         # Stored as moeshard.kernels' panels where they serve them; else in Hugging Face's [out, in]
         # layout, read through transposed views: on CPUs without native bf16, a contiguous [in, out]
         # operand takes a matmul path several times slower.
-        gate_up, down = packed.for_swiglu((L, 2 * I, D), (L, D, I), dtype, device, "the routed experts")
+        gate_up, down = packed.for_swiglu((L, 2 * I, D), (L, D, I), dtype, device, "the routed experts", fmt)
         self.w13_LFD = empty_param((L, 2 * I, D), dtype, device, gate_up)
         self.w2_LDI = empty_param((L, D, I), dtype, device, down)
-        self.packed = gate_up.packed
+        self.packed = gate_up.served
 
     def forward(self, x_MD: torch.Tensor, group_ends_L: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x_MD, self.w13_LFD, self.w2_LDI, group_ends_L, self.packed)
+        return grouped_swiglu(x_MD, packed.operand(self.w13_LFD), packed.operand(self.w2_LDI), group_ends_L, self.packed)
 
 
 def grouped_swiglu(x_MD, w13_LFD, w2_LDI, group_ends_L: torch.Tensor, packed: bool = False) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moeshard.kernels import packed
+from moeshard.kernels.quant import QuantFormat
 from moeshard.runtime import invariance
 from moeshard.runtime.graph import serving_op
 from moeshard.moe.config import MoEConfig
@@ -56,7 +57,9 @@ class MoELayer(nn.Module):
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         dtype: torch.dtype = torch.float32,
         name: str | None = None,
+        formats: tuple[QuantFormat | None, QuantFormat | None] = (None, None),
     ):
+        """`formats`: the routed and the shared experts' quantized format, or None (kernels/quant.py)."""
         super().__init__()
         self.cfg = cfg.validate()
         self.parallel = parallel = get_parallel_state()
@@ -72,8 +75,9 @@ class MoELayer(nn.Module):
         shard, device = RankShard.of(cfg, parallel), parallel.device
         self.router = Router(cfg.router, cfg.num_experts, cfg.hidden, device)
         self.invariant = invariance.batch_invariant()
-        self.experts = GroupedExperts(len(shard.experts), cfg.hidden, cfg.intermediate // shard.parts, dtype, device)
-        self.shared = SharedExperts(cfg, shard, parallel, dtype) if cfg.has_shared else None
+        routed_fmt, shared_fmt = formats
+        self.experts = GroupedExperts(len(shard.experts), cfg.hidden, cfg.intermediate // shard.parts, dtype, device, routed_fmt)
+        self.shared = SharedExperts(cfg, shard, parallel, dtype, shared_fmt) if cfg.has_shared else None
         if weights is not None:
             self.copy_in(weights.shard(shard))
         self.transform = transform

@@ -15,6 +15,7 @@ from torch import nn
 from moeshard.moe.config import MoEConfig, SharedLayout
 from moeshard import kernels
 from moeshard.kernels import packed
+from moeshard.kernels.quant import QuantFormat
 from moeshard.moe.functional import pad_rows, sigmoid, swiglu
 from moeshard.moe.weights import RankShard, empty_param
 from moeshard.parallel import ops
@@ -25,21 +26,22 @@ from moeshard.runtime import invariance
 class SharedExperts(nn.Module):
     """Allocated empty (this rank's part, see RankShard); filled by the MoE layer or a loader."""
 
-    def __init__(self, cfg: MoEConfig, shard: RankShard, parallel: ParallelState, dtype: torch.dtype):
+    def __init__(self, cfg: MoEConfig, shard: RankShard, parallel: ParallelState, dtype: torch.dtype,
+                 fmt: QuantFormat | None = None):
         super().__init__()
         self.layout = cfg.shared_layout
         self.tp, self.tp_rank, self.sp = parallel.layout.tp, parallel.tp_rank, parallel.layout.sp
         D, S, device = cfg.hidden, cfg.shared_intermediate // shard.shared_parts, parallel.device
-        gate_up, down = packed.for_swiglu((2 * S, D), (D, S), dtype, device, "the shared experts")
+        gate_up, down = packed.for_swiglu((2 * S, D), (D, S), dtype, device, "the shared experts", fmt)
         self.gate_up_FD, self.down_DI = empty_param((2 * S, D), dtype, device, gate_up), empty_param((D, S), dtype, device, down)
-        self.packed = gate_up.packed
+        self.packed = gate_up.served
         self.gate_1D, self.gate_packed = None, False
         if cfg.shared_gate:  # on the kernels in batch-invariant mode only: see moeshard.moe.router
             gate = packed.for_linear((1, D), dtype, device, "the shared experts' gate") if invariance.batch_invariant() else None
             self.gate_1D, self.gate_packed = empty_param((1, D), dtype, device, gate), gate is not None
 
     def mlp(self, x_TD: torch.Tensor) -> torch.Tensor:
-        y_TD = swiglu(x_TD, self.gate_up_FD, self.down_DI, self.packed)
+        y_TD = swiglu(x_TD, packed.operand(self.gate_up_FD), packed.operand(self.down_DI), self.packed)
         if self.gate_1D is not None:
             # A per-token scalar, so it may multiply a partial sum before the reduction.
             if self.gate_packed:

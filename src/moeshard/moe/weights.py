@@ -22,7 +22,8 @@ def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device, layout=None)
     layout = layout or Plain(tuple(shape))
     if tuple(layout.shape) != tuple(shape):
         raise ValueError(f"a layout of shape {list(layout.shape)} cannot hold a weight of shape {list(shape)}.")
-    param = nn.Parameter(torch.empty(layout.storage_shape(), dtype=dtype, device=device), requires_grad=False)
+    storage = torch.empty(layout.storage_shape(), dtype=layout.storage_dtype(dtype), device=device)
+    param = nn.Parameter(storage, requires_grad=False)
     param.weight_layout = layout  # on the parameter object itself: sleep and wake change only its storage
     return param
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moeshard.commandline import METHODS, Registry, add_batch_invariant, add_compile, add_dtype, add_layout, lazy
+from moeshard.commandline import METHODS, Registry, add_batch_invariant, add_compile, add_dtype, add_layout, add_quantization, lazy
 
 
 def add_commands(registry: Registry) -> None:
@@ -52,6 +52,7 @@ def add_commands(registry: Registry) -> None:
     )
     srv.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_dtype(srv)
+    add_quantization(srv)
     add_batch_invariant(srv)
     srv.set_defaults(run=lazy("moeshard.serve.server", "serve_command"), layouts_of=serve_layouts)
 

@@ -19,6 +19,7 @@ import time
 
 import uvicorn
 
+from moeshard.commandline import quantization_options
 from moeshard.engine import LLM
 from moeshard.engine.async_llm import AsyncLLM
 from moeshard.engine.engine_process import in_engine_process
@@ -42,7 +43,7 @@ def serve_command(args: argparse.Namespace) -> int:
         compile=args.compile_backend if args.compile else False, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching, batch_invariant=args.batch_invariant,
-        kv_after_update=args.kv_after_update,
+        kv_after_update=args.kv_after_update, **quantization_options(args),
     )
     own_process = args.engine_process if args.engine_process is not None else not under_torchrun()
     if own_process and under_torchrun():
