@@ -57,7 +57,10 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# Weights' dtypes, and those the quantized layouts store (moeshard.models.quantized_checkpoint).
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                      "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32,
+                      "I64": torch.int64}
 
 
 class TensorSource:
@@ -185,7 +188,7 @@ class Checkpoint(TensorSource):
     def stored_dtype(self, name: str) -> torch.dtype:
         stored = self.handles[name].get_slice(name).get_dtype()
         if stored not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"tensor {name!r} is stored as {stored}; moeshard reads F32, F16 and BF16.")
+            raise CheckpointError(f"tensor {name!r} is stored as {stored}; moeshard reads {', '.join(SAFETENSORS_DTYPES)}.")
         return SAFETENSORS_DTYPES[stored]
 
     def block(self, name: str, index: tuple) -> torch.Tensor:
