@@ -11,8 +11,8 @@
 # -march=native; ~15 min on a busy 2-core machine); its source distribution, unpacked in
 # .peers/src, which carries llama.cpp's converter (convert_hf_to_gguf.py), run by this venv with the
 # converter's requirements (torch, the CPU build moeshard pins; transformers as llama.cpp pins it);
-# and llama-server, built from those same llama.cpp sources (only that target, ~10 min more): the
-# binding's own server answers one request at a time, llama-server batches parallel slots.
+# and llama-server, built in the binding's build tree from the same llama.cpp (a few minutes more):
+# the binding's own server answers one request at a time, llama-server batches parallel slots.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -30,7 +30,7 @@ build_vllm() {
 }
 
 build_llama_cpp() {
-  local venv=.peers/llamacpp sdist=.peers/src/llama_cpp_python-$LLAMA_CPP_PYTHON
+  local venv=.peers/llamacpp sdist=.peers/src/llama_cpp_python-$LLAMA_CPP_PYTHON build=$PWD/.peers/llamacpp-build
   if [ ! -x $venv/bin/python ]; then
     "$PYTHON" -m venv $venv
   fi
@@ -40,19 +40,20 @@ build_llama_cpp() {
     tar xzf $sdist.tar.gz -C .peers/src
   fi
   if ! $venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON')" 2>/dev/null; then
-    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS $venv/bin/pip install -q "$sdist.tar.gz"
+    # built from the unpacked sources, its build tree kept: llama-server is built in it below
+    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS $venv/bin/pip install -q --config-settings=build-dir="$build" "./$sdist"
   fi
   $venv/bin/python -c "import torch" 2>/dev/null || $venv/bin/pip install -q "torch==2.13.0"
   $venv/bin/pip install -q "transformers==4.57.6" pyyaml tqdm requests
-  if [ ! -x .peers/llamacpp-server/bin/llama-server ]; then
-    # no web UI (its prebuilt assets would be downloaded), no curl, no OpenSSL: a local benchmark server
-    cmake -S $sdist/vendor/llama.cpp -B .peers/llamacpp-server -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-      -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF > /dev/null
-    cmake --build .peers/llamacpp-server --target llama-server -j "$JOBS" > /dev/null
+  if [ ! -x "$build/bin/llama-server" ]; then
+    # The binding's build tree with llama.cpp's tools added (their mtmd in place of the binding's own),
+    # no web UI (its prebuilt assets would be downloaded): only the server's own files compile anew.
+    cmake -S $sdist -B "$build" -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF \
+      -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF > /dev/null
+    cmake --build "$build" --target llama-server -j "$JOBS" > /dev/null
   fi
   $venv/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'in .peers/llamacpp')"
-  echo "llama-server in .peers/llamacpp-server/bin"
+  echo "llama-server in .peers/llamacpp-build/bin"
 }
 
 peers=("$@")

@@ -32,7 +32,7 @@ REPLY = "moeshard-peer "  # bench/peer_vllm.py and bench/peer_llamacpp.py prefix
 PEERS = REPO / ".peers"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # scripts/peers.sh installs it and unpacks its sources beside it
 LLAMA_CPP_SOURCE = PEERS / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
-LLAMA_SERVER = PEERS / "llamacpp-server" / "bin" / "llama-server"
+LLAMA_SERVER = PEERS / "llamacpp-build" / "bin" / "llama-server"  # built in the binding's build tree
 LLAMA_FORMATS = ("bf16", "q8_0", "q4_0", "q4_k_m")
 
 
