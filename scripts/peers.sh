@@ -30,18 +30,20 @@ build_vllm() {
 }
 
 build_llama_cpp() {
-  local venv=.peers/llamacpp sdist=.peers/src/llama_cpp_python-$LLAMA_CPP_PYTHON build=$PWD/.peers/llamacpp-build
+  mkdir -p .peers/src
+  # real paths: pip builds in the sources' real folder, and cmake must name the same one again below
+  local root; root=$(cd .peers && pwd -P)
+  local venv=$root/llamacpp sdist=$root/src/llama_cpp_python-$LLAMA_CPP_PYTHON build=$root/llamacpp-build
   if [ ! -x $venv/bin/python ]; then
     "$PYTHON" -m venv $venv
   fi
   if [ ! -f $sdist/vendor/llama.cpp/convert_hf_to_gguf.py ]; then
-    mkdir -p .peers/src
-    $venv/bin/pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d .peers/src
-    tar xzf $sdist.tar.gz -C .peers/src
+    $venv/bin/pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d $root/src
+    tar xzf $sdist.tar.gz -C $root/src
   fi
   if ! $venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_PYTHON')" 2>/dev/null; then
     # built from the unpacked sources, its build tree kept: llama-server is built in it below
-    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS $venv/bin/pip install -q --config-settings=build-dir="$build" "./$sdist"
+    CMAKE_BUILD_PARALLEL_LEVEL=$JOBS $venv/bin/pip install -q --config-settings=build-dir="$build" "$sdist"
   fi
   $venv/bin/python -c "import torch" 2>/dev/null || $venv/bin/pip install -q "torch==2.13.0"
   $venv/bin/pip install -q "transformers==4.57.6" pyyaml tqdm requests
@@ -52,8 +54,8 @@ build_llama_cpp() {
       -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF > /dev/null
     cmake --build "$build" --target llama-server -j "$JOBS" > /dev/null
   fi
-  $venv/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'in .peers/llamacpp')"
-  echo "llama-server in .peers/llamacpp-build/bin"
+  $venv/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'in $venv')"
+  echo "llama-server in $build/bin"
 }
 
 peers=("$@")
