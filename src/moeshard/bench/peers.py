@@ -143,29 +143,24 @@ def gguf_files(checkpoint: str, formats: list[str], threads: int, log_path: Path
 
 class LlamaCpp:
     """One GGUF of the run's checkpoint served by llama.cpp at `threads` threads: c = 1 through
-    `Llama` (bench/peer_llamacpp.py), c > 1 through llama-server with `slots` parallel slots, started
-    on its first use. After a run at c = 1, `prefill_tok_s` is the prompts' rate to their first token."""
+    `Llama` (bench/peer_llamacpp.py), c > 1 through llama-server with `slots` parallel slots, each
+    started on its first use (a run that needs one maps its GGUF once). After a run at c = 1,
+    `prefill_tok_s` is the prompts' rate to their first token."""
 
     def __init__(self, fmt: str, gguf: Path, threads: int, slots: int, context: int, log_dir: Path):
         self.name = f"llama.cpp {fmt}"
         self.gguf, self.threads, self.slots, self.context = gguf, threads, slots, context
-        self.log_dir = Path(log_dir)
+        self.logs = Path(log_dir) / f"llamacpp-{fmt}-{threads}"  # .log (Llama), -server.log
         self.prefill_tok_s: float | None = None
+        self.proc: subprocess.Popen | None = None  # the Llama process, once started
         self.server: str | None = None  # its base URL, once started
         self.stack = ExitStack()  # what close() stops: the Llama process, the server, their logs
-        self.log = self.stack.enter_context(open(self.log_dir / f"llamacpp-{fmt}-{threads}.log", "w"))
-        self.proc = subprocess.Popen(peer_llamacpp("generate", str(gguf), str(threads), str(context)),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.stack.callback(close_peer, self.proc)
-        try:
-            read_reply(self.proc, self.name, self.log.name)  # {"ready": true} once its model is loaded
-        except BaseException:
-            self.close()
-            raise
 
     def run(self, prompts, outputs, concurrency) -> tuple[list[list[int]], float]:
         if concurrency == 1:
-            answer = ask(self.proc, {"prompts": prompts, "outputs": outputs}, self.name, self.log.name)
+            if self.proc is None:
+                self.proc = self.start_llama()
+            answer = ask(self.proc, {"prompts": prompts, "outputs": outputs}, self.name, f"{self.logs}.log")
             self.prefill_tok_s = sum(map(len, prompts)) / answer["prefill_seconds"]
             return answer["tokens"], answer["seconds"]
         self.prefill_tok_s = None
@@ -175,6 +170,14 @@ class LlamaCpp:
             start = time.perf_counter()
             tokens = list(pool.map(lambda p, n: self.complete(client, p, n), prompts, outputs))
             return tokens, time.perf_counter() - start
+
+    def start_llama(self) -> subprocess.Popen:
+        log = self.stack.enter_context(open(f"{self.logs}.log", "w"))
+        proc = subprocess.Popen(peer_llamacpp("generate", str(self.gguf), str(self.threads), str(self.context)),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        self.stack.callback(close_peer, proc)
+        read_reply(proc, self.name, log.name)  # {"ready": true} once its model is loaded
+        return proc
 
     @staticmethod
     def complete(client: httpx.Client, prompt: list[int], n: int) -> list[int]:
@@ -189,8 +192,7 @@ class LlamaCpp:
         command = [str(LLAMA_SERVER), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
                    "-np", str(self.slots), "-c", str(self.slots * self.context), "-t", str(self.threads),
                    "-tb", str(self.threads), "--no-webui"]
-        self.stack.enter_context(running(self.name, command, dict(os.environ), port,
-                                         self.log_dir / f"{self.name.replace(' ', '-')}-{self.threads}-server.log"))
+        self.stack.enter_context(running(self.name, command, dict(os.environ), port, Path(f"{self.logs}-server.log")))
         base = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base, timeout=600) as client:
             self.complete(client, [1, 2, 3], 2)  # warm-up
