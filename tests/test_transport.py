@@ -52,6 +52,9 @@ def test_a_decode_step_moves_a_few_bytes_per_sequence():
     # The count, then per sampled sequence: token, logprob slot, N (float64); every step here samples 16.
     assert stats.decode_sample_bytes == stats.decode_steps * (1 + 16 * 3) * 8
     assert stats.decode_plan_bytes / stats.decode_steps < 16 * 10 * 8  # id, start, flags, 1 token, ~2 blocks each
+    # the other steps carried the prompts (chunks of more than one token): bench e2e's prefill rate
+    assert stats.prefill_steps == stats.steps - stats.decode_steps >= 1 and stats.prefill_s > 0
+    assert stats.prefill_tokens >= 2 * len(PROMPTS)
 
 
 def test_seeded_and_logprob_requests_equal_one_rank():

@@ -53,7 +53,7 @@ def add_commands(registry: Registry) -> None:
     bquant.set_defaults(run=lazy("moeshard.bench.quant", "run_bench_quant"))
 
     be2e = registry.command(
-        "benchmark", "bench e2e", "engine useful output tokens/s vs. transformers (static, continuous batching) and vLLM's CPU engine",
+        "benchmark", "bench e2e", "engine useful output tokens/s vs. transformers (static, continuous batching), vLLM's CPU engine and llama.cpp",
         "moeshard bench e2e --against vllm,transformers --threads 1,2 --repeats 3", under=bench,
     )
     be2e.add_argument("--concurrency", type=int_list, default=[1, 16, 64])
@@ -69,7 +69,11 @@ def add_commands(registry: Registry) -> None:
                       help="comma-separated: small, qwen3-30b-a3b (2 layers of Qwen3-30B-A3B, ~3.7 GB in bf16)")
     be2e.add_argument("--against", default="transformers",
                       help="comma-separated peers: transformers (static and continuous batching), vllm (scripts/peers.sh), "
+                           "llama.cpp (scripts/peers.sh llama.cpp; one contender per --llama-formats), "
                            "moeshard-batch-invariant (the cost of --batch-invariant)")
+    be2e.add_argument("--llama-formats", type=lambda t: t.split(","), default=None,
+                      help="with --against llama.cpp: comma-separated GGUF formats the run's weights are converted to, "
+                           "each a contender: bf16, q8_0, q4_0, q4_k_m (default: all four)")
     be2e.add_argument("--plot", metavar="PNG", help="tokens/s against concurrency, one panel per model, dtype, threads")
     be2e.add_argument("--json", metavar="PATH")
     be2e.set_defaults(run=lazy("moeshard.bench.e2e", "run_bench_e2e"))

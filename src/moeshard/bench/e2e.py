@@ -1,6 +1,8 @@
 """`moeshard bench e2e`: useful output tokens/s of the engine against transformers' static batching
-(`generate` in batches of c), its continuous batching and vLLM's CPU engine (`--against vllm`, in
-its own venv and process), on one realistic workload, same weights, same dtype.
+(`generate` in batches of c), its continuous batching, vLLM's CPU engine (`--against vllm`) and
+llama.cpp (`--against llama.cpp`), each peer in its own venv and process, on one realistic workload,
+same weights, same dtype — for llama.cpp, the same weights converted to GGUF in each of
+`--llama-formats` (bf16 and quantized: Q8_0, Q4_0, Q4_K_M), each format a contender.
 
 The workload: `--num-requests` prompts of random token ids, prompt and output lengths uniform over
 their ranges, EOS ignored, greedy. The models (`--model-shapes`), written random for the run in the
@@ -12,7 +14,8 @@ a noisy machine slows each of them alike; a ratio is taken within one repetition
 shows medians and the spread (lowest–highest). Greedy agreement: in fp32 every contender must
 produce moeshard's tokens, request for request (a difference fails the run); in bf16 the kernels
 round differently and greedy paths drift apart, so the share of tokens equal to moeshard's, position
-by position, is reported.
+by position, is reported. At c = 1 the prefill rate is quoted too: prompt tokens over the time to
+their first tokens (moeshard: its steps that carried prompt tokens, each also sampling the first).
 
 Every run of moeshard and of vLLM starts with an empty prefix cache: the workload repeats its
 prompts across runs, and a cached prompt would skip its prefill (`bench serve --dataset prefix`
@@ -43,7 +46,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from moeshard.engine import LLM, SamplingParams
 from moeshard.bench.floor import DecodeFloor, decode_floor
-from moeshard.bench.peers import VllmOffline, vllm_python
+from moeshard.bench.peers import LLAMA_FORMATS, LlamaCpp, VllmOffline, gguf_files, llamacpp_python, vllm_python
 from moeshard.engine.core import StepStats
 from moeshard.verify.tiny import spread_init
 
@@ -99,9 +102,17 @@ class Moeshard:
     def __init__(self, llm: LLM):
         self.llm = llm
         self.stats = StepStats()
+        self.concurrency = 1
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        """At c = 1 a step either prefills the one prompt (and samples its first token) or decodes."""
+        stats = self.stats
+        return stats.prefill_tokens / stats.prefill_s if self.concurrency == 1 and stats.prefill_s else None
 
     def run(self, prompts, outputs, concurrency) -> tuple[list[list[int]], float]:
         self.llm.core.stats = self.stats = StepStats()
+        self.concurrency = concurrency
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
         self.llm.reset_prefix_cache()  # every run is a new workload: no prompt's blocks from the last one
         start = time.perf_counter()
@@ -187,6 +198,7 @@ class Row:
     ratio_high: float
     identical: bool  # every request's tokens equal moeshard's
     same_tokens: float  # share of output positions whose token equals moeshard's (last repetition)
+    prefill_tok_s: float | None = None  # median over repetitions, at c = 1 (prompt tokens to first tokens)
     overhead_share: float | None = None  # moeshard: of its step time outside the model forward
     plan_bytes: float | None = None  # moeshard: per decode step, driver → ranks
     sample_bytes: float | None = None  # moeshard: per decode step, ranks → driver
@@ -201,6 +213,7 @@ def same_token_share(reference: list[list[int]], tokens: list[list[int]]) -> flo
 def bench_point(contenders, prompts, outputs, label, concurrency, repeats, progress, task) -> list[Row]:
     """`label`: (model shape, dtype, threads)."""
     tok_s = {c.name: [] for c in contenders}
+    prefill = {c.name: [] for c in contenders}
     same = {c.name: True for c in contenders}
     share = {}
     for rep in range(repeats):
@@ -209,6 +222,8 @@ def bench_point(contenders, prompts, outputs, label, concurrency, repeats, progr
         for contender in order:
             tokens[contender.name], seconds = contender.run(prompts, outputs, concurrency)
             tok_s[contender.name].append(sum(outputs) / seconds)
+            if getattr(contender, "prefill_tok_s", None) is not None:
+                prefill[contender.name].append(contender.prefill_tok_s)
             progress.advance(task)
         for name, got in tokens.items():
             same[name] &= got == tokens["moeshard"]
@@ -219,7 +234,7 @@ def bench_point(contenders, prompts, outputs, label, concurrency, repeats, progr
         ratios = [a / b for a, b in zip(ours, tok_s[c.name])]
         rows.append(Row(*label, concurrency, c.name, statistics.median(tok_s[c.name]), min(tok_s[c.name]),
                         max(tok_s[c.name]), statistics.median(ratios), min(ratios), max(ratios), same[c.name],
-                        share[c.name]))
+                        share[c.name], statistics.median(prefill[c.name]) if prefill[c.name] else None))
     stats = contenders[0].stats  # the last repetition's
     decode = max(stats.decode_steps, 1)
     rows[0].overhead_share = stats.overhead_share
@@ -232,7 +247,7 @@ def print_table(console, rows: list[Row], workload: Workload) -> None:
                         f"prompts {workload.prompt_lens[0]}–{workload.prompt_lens[1]}, outputs "
                         f"{workload.output_lens[0]}–{workload.output_lens[1]}, greedy (ratio: moeshard / contender)")
     for column in ("model", "dtype", "threads", "concurrency", "contender", "tok/s median", "tok/s spread",
-                   "ratio median", "ratio spread", "same tokens", "outside forward", "plan B/step"):
+                   "ratio median", "ratio spread", "same tokens", "prefill tok/s", "outside forward", "plan B/step"):
         table.add_column(column, justify="right")
     for r in rows:
         ours = r.contender == "moeshard"
@@ -241,6 +256,7 @@ def print_table(console, rows: list[Row], workload: Workload) -> None:
             r.model, r.dtype, str(r.threads), str(r.concurrency), r.contender, f"{r.tok_s:,.0f}",
             f"{r.tok_s_low:,.0f}–{r.tok_s_high:,.0f}", "" if ours else f"{r.ratio:.2f}",
             "" if ours else f"{r.ratio_low:.2f}–{r.ratio_high:.2f}", agreement,
+            "" if r.prefill_tok_s is None else f"{r.prefill_tok_s:,.0f}",
             f"{r.overhead_share:.1%}" if ours else "", f"{r.plan_bytes:,.0f}" if ours else "",
         )
     console.print(table)
@@ -285,7 +301,8 @@ def plot(path: str, rows: list[Row]) -> None:
     fig.savefig(path, dpi=120)
 
 
-def contenders_for(against: list[str], llm, hf, directory, dtype, threads, args, context, log_dir) -> list:
+def contenders_for(against: list[str], llm, hf, directory, dtype, threads, args, context, log_dir, ggufs) -> list:
+    """`ggufs`: the checkpoint's GGUF files by format, for llama.cpp."""
     contenders = [Moeshard(llm)]
     if "moeshard-batch-invariant" in against:
         contenders.append(MoeshardBatchInvariant(directory, dtype, max(args.concurrency), context))
@@ -294,6 +311,8 @@ def contenders_for(against: list[str], llm, hf, directory, dtype, threads, args,
     if "vllm" in against:
         contenders.append(VllmOffline(directory, dtype, threads, max(args.concurrency), context,
                                       Path(log_dir) / f"vllm-{threads}.log"))
+    for fmt, gguf in ggufs.items():
+        contenders.append(LlamaCpp(fmt, gguf, threads, max(args.concurrency), context, Path(log_dir)))
     return contenders
 
 
@@ -301,18 +320,31 @@ def run_bench_e2e(args) -> int:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     workload = Workload(args.num_requests, tuple(args.prompt_lens), tuple(args.output_lens), args.seed)
     against = [a for a in args.against.split(",") if a]
-    unknown = set(against) - {"transformers", "vllm", "moeshard-batch-invariant"}
+    unknown = set(against) - {"transformers", "vllm", "llama.cpp", "moeshard-batch-invariant"}
     if unknown:
-        console.print(f"moeshard: error: --against takes transformers, vllm and moeshard-batch-invariant, "
+        console.print(f"moeshard: error: --against takes transformers, vllm, llama.cpp and moeshard-batch-invariant, "
                       f"got {', '.join(sorted(unknown))}.")
         return 2
+    formats = (args.llama_formats or list(LLAMA_FORMATS)) if "llama.cpp" in against else []
+    if set(formats) - set(LLAMA_FORMATS):
+        console.print(f"moeshard: error: --llama-formats takes {', '.join(LLAMA_FORMATS)}, "
+                      f"got {', '.join(sorted(set(formats) - set(LLAMA_FORMATS)))}.")
+        return 2
+    if formats and args.dtype == "float32":
+        console.print("moeshard: error: llama.cpp serves bf16 and quantized GGUFs, never this run's float32 "
+                      "(where every contender must match moeshard's tokens): run it with --dtype bfloat16.")
+        return 2
+    # each peer fails now, with its one sentence, rather than after the first model
     if "vllm" in against:
-        vllm_python()  # fails now, with its one sentence, rather than after the first model
+        vllm_python()
+    if formats:
+        llamacpp_python(need_server=max(args.concurrency) > 1)
     rows, floors = [], []
     dtype = getattr(torch, args.dtype)
     context = workload.prompt_lens[1] + workload.output_lens[1]
     points = len(args.threads) * len(args.concurrency) * args.repeats * (
-        1 + 2 * ("transformers" in against) + ("vllm" in against) + ("moeshard-batch-invariant" in against))
+        1 + 2 * ("transformers" in against) + ("vllm" in against) + ("moeshard-batch-invariant" in against)
+        + len(formats))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("bench e2e", total=len(args.model_shapes) * points)
         for shape in args.model_shapes:
@@ -322,13 +354,17 @@ def run_bench_e2e(args) -> int:
                 hf = (transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
                       if "transformers" in against else None)
                 prompts, outputs = workload.make(MODEL_SHAPES[shape]["vocab_size"])
+                if formats:
+                    progress.update(task, description=f"{shape}: converting to GGUF ({', '.join(formats)})")
+                ggufs = gguf_files(directory, formats, max(args.threads), Path(tmp) / "llamacpp-convert.log") if formats else {}
                 with LLM(directory, dtype=args.dtype, max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
                          max_model_len=context) as llm:
                     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
                     for threads in args.threads:
                         torch.set_num_threads(threads)
                         progress.update(task, description=f"{shape}: starting the contenders")
-                        contenders = contenders_for(against, llm, hf, directory, args.dtype, threads, args, context, tmp)
+                        contenders = contenders_for(against, llm, hf, directory, args.dtype, threads, args, context, tmp,
+                                                    ggufs)
                         try:
                             for c in args.concurrency:
                                 progress.update(task, description=f"{shape}, {threads} thread(s), concurrency {c}")

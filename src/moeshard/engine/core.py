@@ -57,6 +57,9 @@ class StepStats:
     steps: int = 0
     step_s: float = 0.0
     forward_s: float = 0.0  # rank 0's (it runs in the driver's process)
+    prefill_steps: int = 0  # steps that carried prompt chunks (of more than one token)
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0  # the prompt tokens they carried
     decode_steps: int = 0
     decode_plan_bytes: int = 0  # broadcast to every rank
     decode_sample_bytes: int = 0  # sent back, all groups together
@@ -219,10 +222,14 @@ class EngineCore:
     def count(self, plan: StepPlan, plan_P, results, step_s: float, forward_s: float) -> None:
         stats = self.stats
         stats.steps, stats.step_s, stats.forward_s = stats.steps + 1, stats.step_s + step_s, stats.forward_s + forward_s
-        if all(len(c.chunk.token_ids) == 1 for g in plan.groups for c in g.chunks):
+        lengths = [len(c.chunk.token_ids) for g in plan.groups for c in g.chunks]
+        if all(n == 1 for n in lengths):
             stats.decode_steps += 1
             stats.decode_plan_bytes += plan_P.numel() * plan_P.element_size()
             stats.decode_sample_bytes += sum(r.numel() * r.element_size() for r in results)
+        else:
+            stats.prefill_steps, stats.prefill_s = stats.prefill_steps + 1, stats.prefill_s + step_s
+            stats.prefill_tokens += sum(n for n in lengths if n > 1)
 
     def plan_group(self, scheduled: list[Scheduled]) -> GroupPlan:
         """The group's chunks, with the requests its sampling rank meets for the first time."""
