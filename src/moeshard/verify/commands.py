@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from moeshard.commandline import (
-    METHODS, Registry, add_batch_invariant, add_compile, add_dtype, add_layout, int_list, progress_bar, row_progress,
+    METHODS, Registry, add_batch_invariant, add_compile, add_dtype, add_layout, add_quantization, int_list, progress_bar,
+    quantization_options, row_progress,
 )
 
 
@@ -23,6 +24,7 @@ def add_commands(registry: Registry) -> None:
     ev.add_argument("--api-key", default=None, help="with --url: the server's key")
     add_dtype(ev)
     add_batch_invariant(ev)
+    add_quantization(ev)
     ev.set_defaults(run=run_eval, layouts_of=lambda a: [] if a.url else a.layouts)
 
     verify = registry.parent("verify", "prove parallel paths equal the single-device answer", "what")
@@ -109,7 +111,7 @@ def run_eval(args: argparse.Namespace) -> int:
             rows = run_eval_url(args.url, args.concurrency, args.n, args.api_key, on_row)
         else:
             rows = evaluate(args.layouts, args.concurrency, args.moe_comm, backends, args.n, args.model, on_row, args.dtype,
-                            args.batch_invariant)
+                            args.batch_invariant, quantization_options(args))
     table = Table(title=f"exact match on {args.n} held-out problems (greedy)")
     for column in ("layout", "method", "compiled", "concurrency", "accuracy", "identical to first run",
                    "logprobs bitwise"):

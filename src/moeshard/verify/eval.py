@@ -48,8 +48,10 @@ def run_eval(
     on_row: Callable[[EvalRow], None] = lambda row: None,
     dtype: str = "auto",
     batch_invariant: bool = False,
+    quantization: dict | None = None,
 ) -> list[EvalRow]:
-    """`backends`: None for eager, else a torch.compile backend; each layout runs each of them."""
+    """`backends`: None for eager, else a torch.compile backend; each layout runs each of them.
+    `quantization`: LLM's quantization options (docs/quantization.md), for every run."""
     if not 1 <= n <= HELD_OUT:
         raise ValueError(f"-n must be between 1 and {HELD_OUT} (the held-out problems never trained on), got {n}.")
     for layout in layouts:
@@ -72,6 +74,7 @@ def run_eval(
                 max_num_seqs=max(concurrencies),
                 dtype=dtype,
                 batch_invariant=batch_invariant,
+                **(quantization or {}),
             ) as llm:
                 for method in methods:
                     llm.set_moe_comm(method)
