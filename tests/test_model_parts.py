@@ -46,8 +46,8 @@ def test_refuses_unsupported_configs():
                 num_hidden_layers=1, num_attention_heads=2, num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(ModelConfigError, match="rope type 'longrope' is not supported"):
         parse_config({**base, "rope_parameters": {"rope_type": "longrope"}})
-    with pytest.raises(ModelConfigError, match="quantized checkpoints \\(fp8\\)"):
-        parse_config({**base, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="quantization method 'bitsandbytes' is not supported"):
+        parse_config({**base, "quantization_config": {"quant_method": "bitsandbytes"}})
     with pytest.raises(ModelConfigError, match="hidden_act 'gelu'"):
         parse_config({**base, "hidden_act": "gelu"})
     with pytest.raises(ModelConfigError, match="no 'num_attention_heads'"):

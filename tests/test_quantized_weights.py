@@ -15,6 +15,7 @@ from moeshard.kernels import packed
 from moeshard.kernels.quant import QuantFormat, dequantize, quantize
 from moeshard.parallel import Layout
 from moeshard.verify.eval import run_eval
+from moeshard.verify.quantized import write_quantized
 from moeshard.verify.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="no moeshard CPU kernels here")
@@ -140,3 +141,24 @@ def test_the_bundled_model_quantized_int4_answers_as_in_bf16_on_two_layouts():
     layouts = [Layout(), Layout(dp=2, ep=True)]
     rows = run_eval(layouts, [4], ["auto"], [None], 40, quantization=dict(quantization="int4"))
     assert all(r.identical_to_reference for r in rows) and rows[0].accuracy >= 0.95
+
+
+SHIPPED = [("fp8", arch) for arch in ("qwen3_moe", "qwen2_moe", "mixtral_top2", "deepseek_v3")] + [
+    (layout, "qwen3_moe") for layout in ("ct-int4-asym", "ct-int8", "gptq-int4", "awq-int4")]
+
+
+@pytest.mark.skipif(not kernels.built(), reason="no moeshard CPU kernels here")
+@pytest.mark.parametrize("layout, arch", SHIPPED, ids=[f"{layout}-{arch}" for layout, arch in SHIPPED])
+def test_a_published_quantized_checkpoint_is_held_quantized_and_runs_as_its_dequantized_weights(tmp_path, layout, arch):
+    """A checkpoint as published (its quantization_config, its stored layout) is held in its own
+    format, and its greedy tokens and logprobs equal, bit for bit, the engine's on the dequantized
+    reference checkpoint in bf16 (the quantized kernels are the bf16 kernel on dequantized weights)."""
+    source = make_tiny_checkpoint(arch, tmp_path / "source")
+    write_quantized(source, tmp_path / "shipped", layout, tmp_path / "reference")
+    runs = {}
+    for name in ("shipped", "reference"):
+        with LLM(str(tmp_path / name), dtype="bfloat16") as llm:
+            outputs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
+            runs[name] = [(o.token_ids, o.logprobs) for o in outputs], llm.memory_held_mb()[0]["weights"]
+    assert runs["shipped"][0] == runs["reference"][0]
+    assert runs["shipped"][1] < 0.8 * runs["reference"][1]

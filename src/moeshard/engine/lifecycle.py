@@ -19,6 +19,7 @@ from moeshard.engine.core import INITIAL_VERSION
 from moeshard.engine.payloads import FLATTENED, SharedPayload, read_payload
 from moeshard.models.checkpoint import Checkpoint, TensorDict
 from moeshard.models.model import part_of, unused_by_design
+from moeshard.models.quantized_checkpoint import open_checkpoint
 from moeshard.runtime import derived, memory
 
 TAGS = ("weights", "kv_cache")
@@ -343,7 +344,7 @@ class RankLifecycle:
         """Read the weights from the model directory again, a part at a time, into the parameters
         (the driver has the derived tensors rebuilt next)."""
         model = self.runner.model
-        source = Checkpoint(self.model_dir)
+        source = open_checkpoint(self.model_dir)
         for part in model.parts():
             model.load_part(source, part)
 

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moeshard.models.quantized_checkpoint import layout_of
 from moeshard.models.config import AttentionConfig, LayerConfig, ModelConfig, ModelConfigError, RopeConfig
 from moeshard.moe.config import MoEConfig, RouterConfig
 
@@ -225,9 +226,7 @@ def architecture_of(hf: dict) -> Architecture:
 
 def parse_config(hf: dict) -> tuple[ModelConfig, Architecture]:
     arch = architecture_of(hf)
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ModelConfigError(f"quantized checkpoints ({method}) are not supported; use a bf16/fp16/fp32 checkpoint.")
+    layout_of(hf)  # a quantized checkpoint's layout: one moeshard reads (models.quantized_checkpoint), or refused here
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; moeshard's MLPs are SwiGLU (silu).")
     cfg = arch.parse(hf)

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moeshard.kernels.packed import Quantization
+from moeshard.kernels.packed import Quantization, QuantizedPanels
 from moeshard.kernels.quant import QuantFormat
-from moeshard.models.checkpoint import TensorSource
+from moeshard.models.checkpoint import CheckpointError, TensorSource
+from moeshard.models.quantized_checkpoint import QuantizedSource
 from moeshard.moe.weights import empty_param
 
 PIECE_BYTES = 64 * 2**20  # a block is written this much at a time (whole 64-row panels where it can)
@@ -90,6 +91,12 @@ def write(param: nn.Parameter, load: ShardLoad, source: TensorSource) -> None:
         layout.write(param.data, load.padding, torch.zeros((), dtype=torch.float32 if layout.packed else param.dtype))
     for b in load.blocks:
         if source.skips(b.name):
+            continue
+        if isinstance(layout, QuantizedPanels) and isinstance(source, QuantizedSource) and source.quantized(b.name):
+            # A weight the checkpoint stores quantized, into quantized panels: as stored, not through bf16.
+            if b.view is not None or b.pick:
+                raise CheckpointError(f"{b.name} is stored quantized, and moeshard reads it only as whole blocks.")
+            layout.write(param.data, b.dest, source.read_quantized(b.name, b.shape, b.index))
             continue
         block = source.read(b.name, b.shape, b.index)
         if b.view is not None:

@@ -31,6 +31,7 @@ from moeshard.models.config import LayerConfig, ModelConfig
 from moeshard.models.kv_cache import CacheSpec, KVCache
 from moeshard.models.layers import DenseMLP, RMSNorm, Rotary, TPComm, VocabParallelEmbedding, block, swiglu_blocks
 from moeshard.models.loader import Alloc, Block, attach, check_only, load_weights
+from moeshard.models.quantized_checkpoint import QuantizedSource, StoredFormats, open_checkpoint
 from moeshard.moe.config import MoEConfig
 from moeshard.moe.layer import MoELayer
 from moeshard.moe.weights import RankShard
@@ -147,7 +148,9 @@ class DecoderLayer(nn.Module):
         if layer.moe is None:
             self.mlp = DenseMLP(alloc, f"{prefix}.mlp", cfg.hidden, layer.dense_intermediate, parallel)
         else:
-            formats = (alloc.quantized(f"{prefix}.mlp.experts"), alloc.quantized(f"{prefix}.mlp.shared_experts"))
+            block = f"{prefix}.{arch.names.moe_block}"  # checkpoint module names, as quantization_skip matches them
+            shared = f"{block}.{arch.names.shared_block}" if arch.names.shared_block else None
+            formats = (alloc.quantized(f"{block}.experts"), shared and alloc.quantized(shared))
             self.mlp = MoELayer(layer.moe, None, dtype=dtype, name=f"{name}.moe", formats=formats)
             fmt = MoEFormat.of(stored, arch.names, prefix, layer.moe)
             attach_moe_blocks(self.mlp, fmt, arch.names, RankShard.of(layer.moe, parallel))
@@ -233,7 +236,12 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, quanti
     its linear weights quantized at load with `quantization` (docs/quantization.md)."""
     cfg, arch = load_config(directory)
     parallel = get_parallel_state()
-    ckpt = Checkpoint(directory)
+    ckpt = open_checkpoint(directory)
+    if isinstance(ckpt, QuantizedSource):  # a published quantized checkpoint: held in its own formats
+        if quantization is not None:
+            raise CheckpointError(f"{Path(directory).name} is quantized already ({type(ckpt.layout).__name__}); "
+                                  f"load it without quantization=.")
+        quantization = StoredFormats(ckpt, ckpt.stored.handles)
     model, error = CausalLM(cfg, arch, parallel, dtype, stored=ckpt, quantization=quantization), None
     try:
         load_weights(model, ckpt)

@@ -615,6 +615,23 @@ class QuantizedSource(TensorSource):
         self.stored.finish(*args, **kwargs)
 
 
+class StoredFormats:
+    """The formats a quantized checkpoint's weights are held in (what `Quantization` is for weights
+    quantized at load): a module group's (`model.layers.1.mlp.experts`, `lm_head`, …) is the one
+    format every weight stored quantized under its name has; None where it has none, or several
+    (those weights are then read dequantized into bf16 ones: correct, held larger)."""
+
+    def __init__(self, source: QuantizedSource, stored_names):
+        self.source = source
+        marker = source.layout.marker
+        self.modules = [n.removesuffix(marker) for n in stored_names if n.endswith(marker)]
+
+    def format_for(self, name: str) -> QuantFormat | None:
+        under = [m for m in self.modules if m == name or m.startswith(f"{name}.")]
+        formats = {self.source.quantized(f"{m}.weight") for m in under}
+        return formats.pop() if len(formats) == 1 else None
+
+
 def open_checkpoint(directory: str | Path) -> TensorSource:
     """A checkpoint directory as a TensorSource: quantized weights read as `QuantizedSource` reads them."""
     layout = layout_of(read_config(directory))
