@@ -5,6 +5,8 @@ without them); on a decisive model, greedy continuations agree with bf16; int4 h
 bf16 weights' bytes; an EP=2 engine's greedy tokens equal the one-rank one's. (Batch-invariant mode
 would make them bitwise equal, at ~3× these tests' time: ~200 s for four engines here.)"""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from moeshard import LLM, SamplingParams, kernels
 from moeshard.kernels import packed
 from moeshard.kernels.quant import QuantFormat, dequantize, quantize
 from moeshard.parallel import Layout
+from moeshard.verify import hf
 from moeshard.verify.eval import run_eval
 from moeshard.verify.quantized import write_quantized
 from moeshard.verify.tiny import make_tiny_checkpoint
@@ -162,3 +165,18 @@ def test_a_published_quantized_checkpoint_is_held_quantized_and_runs_as_its_dequ
             runs[name] = [(o.token_ids, o.logprobs) for o in outputs], llm.memory_held_mb()[0]["weights"]
     assert runs["shipped"][0] == runs["reference"][0]
     assert runs["shipped"][1] < 0.8 * runs["reference"][1]
+
+
+@pytest.mark.skipif(not kernels.built(), reason="no moeshard CPU kernels here")
+@pytest.mark.parametrize("arch, layout", [("deepseek_v3", "fp8"), ("mixtral_top2", "ct-int4-asym")])
+def test_verify_hf_passes_a_published_checkpoint_on_dp2_ep_against_transformers_on_its_dequantized_weights(
+        tmp_path, arch, layout):
+    """`moeshard verify hf --model Q --reference R --dtype bfloat16 --dp 2 --ep`: transformers runs the
+    dequantized weights (bf16 teacher-forced, and fp32); without a reference it is refused."""
+    source = make_tiny_checkpoint(arch, tmp_path / "source")
+    write_quantized(source, tmp_path / "shipped", layout, tmp_path / "reference")
+    request = hf.Request(str(tmp_path / "shipped"), Layout(dp=2, ep=True), dtype="bfloat16",
+                         reference=str(tmp_path / "reference"))
+    assert hf.verify_hf(request).passed
+    with pytest.raises(ValueError, match="give the checkpoint of its dequantized weights"):
+        hf.verify_hf(replace(request, reference=None))

@@ -52,6 +52,8 @@ def add_commands(registry: Registry) -> None:
         "--dtype", default="float32", choices=("float32", "bfloat16"),
         help="float32: the exact proof (the default, whatever the checkpoint's dtype); bfloat16: within bf16's tolerance",
     )
+    vhf.add_argument("--reference", default=None, metavar="DIR",
+                     help="the checkpoint transformers runs instead of --model: a quantized model's dequantized weights")
     vhf.add_argument("--json", metavar="PATH")
     vhf.set_defaults(run=verify_hf)
 
@@ -168,7 +170,8 @@ def verify_hf(args: argparse.Namespace) -> int:
     layout = Layout(tp=args.tp, dp=args.dp, ep=args.ep, sp=args.sp)
     backend = args.compile_backend if args.compile else None
     lengths = tuple(args.prompt_lengths) if args.prompt_lengths else None
-    request = hf.Request(args.model, layout, args.moe_comm, backend, lengths, args.steps, args.seed, args.dtype)
+    request = hf.Request(args.model, layout, args.moe_comm, backend, lengths, args.steps, args.seed, args.dtype,
+                         args.reference)
     console = report.console(quiet=not is_reporting_rank())
     how = f"compiled ({backend})" if backend else "eager"
     with console.status(f"verify hf: {layout.label()} method={args.moe_comm} {how} {args.dtype}"):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from moeshard.engine.block_manager import BlockManager
-from moeshard.models.checkpoint import Checkpoint
+from moeshard.models.checkpoint import Checkpoint, read_config
 from moeshard.models.model import check_layout, load_config, load_model
 from moeshard.models.runner import Chunk, ModelRunner
 from moeshard.moe import CommMethod
@@ -62,6 +62,9 @@ class Request:
     steps: int = 8  # decode steps after the prefill
     seed: int = 0
     dtype: str = "float32"  # or "bfloat16": both engines serve it
+    # The checkpoint transformers runs, if not `model`: a quantized checkpoint's weights dequantized
+    # (moeshard.verify.quantized writes one), which transformers loads plainly on a CPU.
+    reference: str | None = None
 
     def __post_init__(self):
         if self.prompt_lengths is None:
@@ -211,6 +214,12 @@ def check_request(request: Request) -> None:
     check_layout(cfg, request.layout)
     check_method(CommMethod.parse(request.method), request.layout)
     Checkpoint(request.model)  # every file opens (a truncated one does not)
+    if read_config(request.model).get("quantization_config"):
+        if request.reference is None:
+            raise ValueError(f"{request.model} is quantized, which transformers does not run on a CPU: give the "
+                             f"checkpoint of its dequantized weights as the reference.")
+        if request.dtype != "bfloat16":
+            raise ValueError("a quantized checkpoint computes in bfloat16: verify it with dtype bfloat16.")
     if request.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {request.dtype!r}.")
     if request.steps < 0 or not request.prompt_lengths or min(request.prompt_lengths) < 1:
@@ -234,7 +243,7 @@ def verify_hf(request: Request, ranks=None) -> Comparison:
         if owned:
             ranks.close()
     ours = {i: result for rank in per_rank for i, result in rank.items()}
-    return compare_with_transformers(request, ours)
+    return compare_with_transformers(request, ours, request.reference)
 
 
 def compare_with_transformers(request: Request, ours: dict, reference_model: str | None = None) -> Comparison:
