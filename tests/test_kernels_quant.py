@@ -121,7 +121,7 @@ def test_bad_operands_are_refused_with_a_sentence():
     packed = kernels.pack_quantized(q)
     with pytest.raises(ValueError, match="int8 weights hold torch.int8 values, got torch.uint8"):
         kernels.pack_quantized(quant.Quantized(q.values.view(torch.uint8), q.scale, None, q.fmt))
-    with pytest.raises(ValueError, match="a quantization group must be even, got 3"):
+    with pytest.raises(ValueError, match="a quantization group must be a multiple of 2, got 3"):
         kernels.pack_quantized(quantized((16, 30), QuantFormat("int8", 3), seed=9))
     with pytest.raises(ValueError, match="not whole groups of 16"):
         quant.Quantized(q.values[:, :24], q.scale[:, :1], None, q.fmt)
@@ -132,11 +132,11 @@ def test_bad_operands_are_refused_with_a_sentence():
         kernels.linear(torch.randn(2, 32), packed, 16)
     with pytest.raises(RuntimeError, match="x has 30 inputs; the packed weight has 32"):
         kernels.linear(torch.randn(2, 30).bfloat16(), packed, 16)
-    with pytest.raises(RuntimeError, match="a quantization group must be a positive even number"):
-        torch.ops.moeshard_cpu.linear_quantized(torch.randn(2, 32).bfloat16(), packed.values, packed.scale, None, "int8", 5, 16, False)
+    with pytest.raises(RuntimeError, match="a quantization group must be a positive multiple of 2 inputs"):
+        torch.ops.moeshard_cpu.linear_quantized(torch.randn(2, 32).bfloat16(), packed.values, packed.scale, None, "int8", 5, 16, False, False)
     with pytest.raises(RuntimeError, match="scales must be float32 panels of 2 groups of 16 inputs"):
         torch.ops.moeshard_cpu.linear_quantized(torch.randn(2, 32).bfloat16(), packed.values, packed.scale[:, :1].contiguous(),
-                                                None, "int8", 16, 16, False)
+                                                None, "int8", 16, 16, False, False)
     w13 = kernels.pack_gate_up_quantized(quantized((2, 64, 32), QuantFormat("int8", 16), seed=9))
     w2 = kernels.pack_down_quantized(quantized((2, 32, 32), QuantFormat("int4", 16), seed=9))
     with pytest.raises(ValueError, match="gate-up and down weights must be quantized alike"):

@@ -24,7 +24,8 @@ from moeshard.verify.tiny import make_tiny_checkpoint
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="no moeshard CPU kernels here")
 
 FORMATS = [QuantFormat("fp8", 16), QuantFormat("int8", 32, zero_point=True), QuantFormat("int4", 16),
-           QuantFormat("int4", 32, zero_point=True)]
+           QuantFormat("int4", 32, zero_point=True), QuantFormat("int8", 16, activations="int8"),
+           QuantFormat("int4", 32, zero_point=True, activations="int8")]  # the last two: the a8 layout
 # (kind, logical shape, row blocks): panels cut mid-way, SwiGLU intermediates padded (I = 40 → 64).
 CASES = [
     ("linear", (130, 64), [(0, 7), (7, 70), (70, 130)]),
@@ -66,7 +67,7 @@ def test_a_product_is_the_bf16_product_on_the_dequantized_weight(served, monkeyp
         monkeypatch.setattr(packed.kernels, "built", lambda: False)
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(70, 64, generator=g), torch.randn(5, 64, generator=g).bfloat16()
-    for fmt in FORMATS:
+    for fmt in (f for f in FORMATS if f.activations == "bf16"):  # int8 activations: tests/test_kernels_int8_activations.py
         layout = packed.for_linear((70, 64), torch.bfloat16, "cpu", "w", fmt)
         storage = written(layout, w, [(0, 70)])
         reference = kernels.linear(x, kernels.pack(dequantize(quantize(w, fmt))), 70, True) if served else \
@@ -74,7 +75,7 @@ def test_a_product_is_the_bf16_product_on_the_dequantized_weight(served, monkeyp
         assert torch.equal(layout.linear(x, storage, fp32_out=True), reference), fmt
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     layout = packed.QuantizedPanels((64, 64), QuantFormat("int8", 32), "linear")
     with pytest.raises(ValueError, match="whole groups"):
         layout.write(torch.zeros(layout.storage_shape(), dtype=torch.uint8), (slice(None), slice(0, 48)), torch.zeros(64, 48))
@@ -84,6 +85,9 @@ def test_refusals():
         packed.for_linear((32, 64), torch.bfloat16, "cpu", "model.layers.0.self_attn.q_proj", QuantFormat("int8"))
     with pytest.raises(ValueError, match="compute in bfloat16"):
         packed.for_linear((32, 64), torch.float32, "cpu", "w", QuantFormat("int8", 32))
+    monkeypatch.setattr(packed.kernels, "built", lambda: False)
+    with pytest.raises(ValueError, match="int8 activations run on moeshard's CPU kernels only"):
+        packed.for_linear((32, 64), torch.bfloat16, "cpu", "w", QuantFormat("int8", 32, activations="int8"))
     skip = packed.Quantization(QuantFormat("int4", 32), ("lm_head", "mlp.experts", "model.layers.1.*"))
     assert [skip.format_for(n) for n in ("lm_head", "model.layers.0.mlp.experts", "model.layers.1.self_attn.o_proj")] == [None] * 3
     assert skip.format_for("model.layers.0.mlp.shared_experts") == QuantFormat("int4", 32)
@@ -124,6 +128,19 @@ def test_quantized_at_load_agrees_with_bf16_and_int4_holds_under_half(runs):
     assert runs["int4"][1] <= 0.5 * held_bf16
 
 
+def test_int8_activations_agree_with_bf16(decisive, runs):
+    """quantize_activations: each linear and expert product on int8 activations (the a8 kernels)."""
+    bf16, _ = runs["bf16"]
+    agree = {q: sum(a == b for a, b in zip(run(decisive, quantization=q, quantization_group=16, quantize_activations=True)[0], bf16))
+             for q in ("int8", "int4")}
+    print(f"greedy 24-token continuations with int8 activations equal to bf16's, of 16: {agree}")
+    assert agree["int8"] >= 14 and agree["int4"] >= agree_of(runs, "int4") - 2
+
+
+def agree_of(runs, q: str) -> int:
+    return sum(a == b for a, b in zip(runs[q][0], runs["bf16"][0]))
+
+
 def test_an_ep2_engine_gives_the_one_rank_engines_greedy_tokens(decisive, runs):
     ep2, _ = run(decisive, quantization="int8", quantization_group=16, data_parallel_size=2, enable_expert_parallel=True)
     assert ep2 == runs["int8"][0]
@@ -136,6 +153,9 @@ def test_quantization_options_are_checked_before_the_ranks_start(decisive):
         LLM(decisive, quantization_skip=["lm_head"])
     with pytest.raises(ValueError, match="fp8, int8 or int4"):
         LLM(decisive, quantization="int2")
+    for kind in ("fp8", None):
+        with pytest.raises(ValueError, match=f"needs quantization='int8' or 'int4', got quantization={kind!r}"):
+            LLM(decisive, quantization=kind, quantize_activations=True)
 
 
 def test_the_bundled_model_quantized_int4_answers_as_in_bf16_on_two_layouts():

@@ -40,13 +40,14 @@ def add_commands(registry: Registry) -> None:
     bkern.set_defaults(run=lazy("moeshard.bench.kernels", "run_bench_kernels"))
 
     bquant = registry.command(
-        "benchmark", "bench quant", "quantized kernels (fp8, int8, int4) vs the bf16 kernel, Qwen3-30B-A3B's LM head and experts",
+        "benchmark", "bench quant", "quantized kernels (fp8, int8, int4; int8 activations) vs the bf16 kernel, Qwen3-30B-A3B's LM head and experts",
         "moeshard bench quant --threads 1,2 --tokens 1,16,64", under=bench,
     )
     bquant.add_argument("--threads", type=int_list, default=[1, 2], help="torch threads, one setting after another")
     bquant.add_argument("--tokens", type=int_list, default=[1, 16, 64])
-    bquant.add_argument("--formats", type=lambda t: t.split(","), default=["fp8", "int8", "int4"],
-                        help="comma-separated: fp8, int8, int4, int8-zp, int4-zp (zero points); groups of 128")
+    bquant.add_argument("--formats", type=lambda t: t.split(","), default=["fp8", "int8", "int4", "int8-a8", "int4-a8"],
+                        help="comma-separated: fp8, int8, int4, int8-zp, int4-zp (zero points), int8-a8, int4-a8 "
+                             "(int8 activations); groups of 128")
     bquant.add_argument("--cases", type=lambda t: t.split(","), default=["lm-head", "experts"], help="lm-head, experts")
     bquant.add_argument("--repeats", type=int, default=5, help="alternations; medians and spread reported")
     bquant.add_argument("--json", metavar="PATH")

@@ -1,5 +1,6 @@
 """`moeshard bench quant`: the quantized kernels (fp8, int8, int4 weights dequantized to bf16 in
-registers, moeshard.kernels.PackedQuantized) against the bf16 kernel on Qwen3-30B-A3B's shapes: the
+registers, moeshard.kernels.PackedQuantized; "int8-a8", "int4-a8": int8 and int4 weights times
+activations quantized to int8, `vpdpbusd`) against the bf16 kernel on Qwen3-30B-A3B's shapes: the
 LM head [151936 × 2048] and the routed experts (128 × gate-up [1536 × 2048] and down [2048 × 768],
 top-8), at 1, 16 and 64 tokens. All formats run in one process, alternating, repeated; ratios are
 taken within each repetition (median, lowest–highest); "best" is each contender's fastest
@@ -26,7 +27,8 @@ from moeshard.kernels.quant import QuantFormat
 
 VOCAB, HIDDEN, EXPERTS, INTER, TOP_K = 151936, 2048, 128, 768, 8
 FORMATS = {"fp8": QuantFormat("fp8"), "int8": QuantFormat("int8"), "int4": QuantFormat("int4"),
-           "int8-zp": QuantFormat("int8", zero_point=True), "int4-zp": QuantFormat("int4", zero_point=True)}
+           "int8-zp": QuantFormat("int8", zero_point=True), "int4-zp": QuantFormat("int4", zero_point=True),
+           "int8-a8": QuantFormat("int8", activations="int8"), "int4-a8": QuantFormat("int4", activations="int8")}
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ def random_bf16(shape) -> torch.Tensor:
 
 def random_packed(lead: tuple[int, ...], N: int, K: int, fmt: QuantFormat, layout: str) -> kernels.PackedQuantized:
     """PackedQuantized panels of random finite weights ([lead], N outputs, K inputs in the panels)."""
-    B, P, X = -(-N // kernels.PANEL), K // 2, -(-K // fmt.group)
-    shape = (*lead, B, P, kernels.PANEL) if fmt.kind == "int4" else (*lead, B, P, kernels.PANEL, 2)
+    s = kernels.value_step(fmt)
+    B, P, X = -(-N // kernels.PANEL), K // s, -(-K // fmt.group)
+    shape = kernels.values_shape((*lead, B, P, kernels.PANEL, s), fmt)
     if fmt.kind == "fp8":  # e4m3 bits of a spread of values, no NaN
         values = torch.empty(shape, dtype=torch.uint8)
         for one in values.view(-1, *shape[-3:]):
@@ -121,7 +124,7 @@ def experts_calls(tokens: int, experts: dict) -> tuple[dict, dict, int]:
 
 
 def expert_weights(formats: list[str]) -> dict:
-    ip = kernels._padded(INTER)
+    ip = kernels.padded_intermediate(INTER)
     weights = {"bf16": (random_bf16((EXPERTS, ip // 32, HIDDEN // 2, kernels.PANEL, 2)),
                         random_bf16((EXPERTS, -(-HIDDEN // kernels.PANEL), ip // 2, kernels.PANEL, 2)))}
     for name in formats:

@@ -103,8 +103,12 @@ def checked_layout(
     return layout
 
 
-def checked_quantization(kind: str | None, skip: Sequence[str], group: int, dtype: str) -> Quantization | None:
+def checked_quantization(kind: str | None, skip: Sequence[str], group: int, dtype: str,
+                         quantize_activations: bool = False) -> Quantization | None:
     """`LLM`'s quantization options as one setting, or a ValueError saying which is wrong."""
+    if quantize_activations and kind not in ("int8", "int4"):
+        raise ValueError(f"quantize_activations multiplies int8 activations with int8 or int4 weights, so it needs "
+                         f"quantization='int8' or 'int4', got quantization={kind!r}.")
     if kind is None:
         if skip:
             raise ValueError("quantization_skip names weights to keep unquantized, but no quantization is set.")
@@ -113,7 +117,7 @@ def checked_quantization(kind: str | None, skip: Sequence[str], group: int, dtyp
         raise ValueError(f"quantized weights compute in bfloat16, so quantization={kind!r} cannot run with dtype={dtype!r}.")
     if isinstance(skip, str):
         skip = [skip]
-    return Quantization(QuantFormat(kind, group), tuple(skip))
+    return Quantization(QuantFormat(kind, group, activations="int8" if quantize_activations else "bf16"), tuple(skip))
 
 
 def check_batch_invariant() -> None:
@@ -148,6 +152,7 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         quantization: str | None = None,
         quantization_skip: Sequence[str] = (),
         quantization_group: int = 128,
+        quantize_activations: bool = False,
     ):
         """`model`: a Hugging Face model directory; None: the bundled arithmetic model.
         `compile`: True (inductor) or a torch.compile backend name.
@@ -162,7 +167,9 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         `quantization`: "fp8", "int8" or "int4": every linear weight a decode step reads (the LM
         head too, unless tied to the embedding) quantized at load, in groups of `quantization_group`
         inputs, and held quantized; `quantization_skip`: module names or patterns kept as they are
-        (docs/quantization.md). Computes in bfloat16."""
+        (docs/quantization.md). Computes in bfloat16. `quantize_activations` (int8 or int4 only): their
+        products quantize each row of activations to int8 per group and multiply integers (VNNI):
+        faster, no longer the bf16 product on the dequantized weights (docs/quantization.md)."""
         directory = Path(model) if model is not None else MODEL_DIR
         Inputs.__init__(self, directory, max_model_len, max_num_seqs, num_kv_blocks, block_size)
         cfg = self.config
@@ -176,7 +183,8 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         self.schema = WeightSchema.of(self.directory, cfg)
         self.dtype = "bfloat16" if quantization is not None and dtype == "auto" else dtype
         self.dtype = self.schema.serving_dtype() if self.dtype == "auto" else self.dtype
-        self.quantization = checked_quantization(quantization, quantization_skip, quantization_group, self.dtype)
+        self.quantization = checked_quantization(quantization, quantization_skip, quantization_group, self.dtype,
+                                                 quantize_activations)
         config = worker.WorkerConfig(
             str(self.directory), self.layout, self.dtype, self.num_blocks, block_size, moe_comm, backend, batch_invariant,
             self.quantization,
@@ -203,6 +211,7 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
             "dtype": self.dtype, "layout": self.layout.label(), "num_ranks": self.ranks.world_size,
             "max_model_len": self.max_model_len,
             "quantization": None if self.quantization is None else self.quantization.fmt.kind,
+            "quantize_activations": self.quantization is not None and self.quantization.fmt.activations == "int8",
         }
 
     def reset_prefix_cache(self) -> None:

@@ -12,7 +12,7 @@ a row's result does not depend on the other rows of the batch: batch-invariant m
 
 The kernels are built on first use with torch's cpp_extension (~20 s, then cached), one library
 (cpu.cpp, and pack.cpp: a block of rows into panels) with the flags of the CPU's build (`FLAGS`, `isa`):
-- "avx512_bf16" (the CPU has AVX512-BF16): they serve bf16 and fp32, in every mode;
+- "avx512_bf16" (the CPU has AVX512-BF16 and AVX512-VNNI): they serve bf16 and fp32, in every mode;
 - "avx2" (AVX2 + FMA, no AVX512-BF16: cpu.cpp's 16 lanes as two 256-bit halves; bits that differ from
   the AVX-512 build's, as deterministic and row-independent): they serve bf16 in every mode (1.4–4.9×
   torch's bf16 ops there) and fp32 in batch-invariant mode only, where nothing else keeps a row's bits
@@ -41,7 +41,8 @@ PANEL = 64  # outputs per packed panel (four vectors of 16)
 # One source, two builds (cpu.cpp picks its vector layer from the target the flags give the compiler).
 # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers; without it they run on one thread.
 FLAGS = {
-    "avx512_bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"],
+    "avx512_bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+                    "-fopenmp"],
     "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],  # x86-64-v3's vector units: 16 lanes as two __m256
 }
 log = logging.getLogger(__name__)
@@ -49,9 +50,10 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _cpu_isa() -> str | None:
-    """The best build this CPU runs: "avx512_bf16" (AVX512-BF16), "avx2" (AVX2 and FMA: torch's
-    "AVX2" capability, or its "AVX512", which has both), or None (another CPU)."""
-    if torch.cpu._is_avx512_bf16_supported():
+    """The best build this CPU runs: "avx512_bf16" (AVX512-BF16 and AVX512-VNNI, which every CPU
+    with the first has), "avx2" (AVX2 and FMA: torch's "AVX2" capability, or its "AVX512", which
+    has both), or None (another CPU)."""
+    if torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported():
         return "avx512_bf16"
     return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
 
@@ -127,7 +129,7 @@ def built() -> bool:
     )
     torch.library.register_fake("moeshard_cpu::grouped_swiglu")(lambda x, w13, w2, ends: torch.empty_like(x))
     torch.library.register_fake("moeshard_cpu::linear_quantized")(
-        lambda x, values, scale, zero, kind, group, n, fp32_out:
+        lambda x, values, scale, zero, kind, group, n, fp32_out, int8_activations:
         x.new_empty((x.shape[0], n), dtype=torch.float32 if fp32_out else x.dtype)
     )
     torch.library.register_fake("moeshard_cpu::grouped_swiglu_quantized")(lambda x, *weights_and_ends: torch.empty_like(x))
@@ -268,11 +270,16 @@ class PackedQuantized:
       and block of 16 outputs, byte t holds the block's weight t in its low nibble and weight
       t + 16 in its high one (weights numbered 2·output + input, as in a bf16 step), symmetric
       int4 as offset binary (v + 8);
+      with int8 activations (fmt.activations, the "a8" layout, cpu.cpp's A8Panels) P = K/4 steps
+      of 4 inputs (int8) or K/8 of 8 (int4), values [..., B, P, 64, 4]: `pack`'s layout for steps
+      of 4 inputs, each output's 4 levels in one 32-bit lane as `vpdpbusd` reads them, unsigned
+      (symmetric int8 as v + 128); int4 as two nibbles a byte, byte i of an output's lane holding
+      inputs i (low) and i + 4 (high) of its step;
     - scale [..., B, X, 64] fp32, X = ceil(K/G) groups (a padded tail of K is zero groups): per
       group the panel's 64 outputs' scales, 0 past N; zero [..., B, X, 64] uint8 (zero points) or None;
     - fmt; `shape` the canonical weight's ([L, 2I, D] for gate-up, [L, D, I] for down); `layout`
       "linear", "gate_up" or "down" (what `unpack_quantized` undoes).
-    Kernels' constraints: K and G even (bf16 steps are input pairs, and a pair never straddles two
+    Kernels' constraints: K and G multiples of the step (2; a8: 4 or 8: a step never straddles two
     groups), K a multiple of G (Quantized checks it), fp8 scales below 256 (the kernel scales fp8's
     bits by 2¹²⁰ · scale, exactly, in one multiply)."""
 
@@ -302,15 +309,59 @@ def check_packable(q: Quantized) -> None:
         raise ValueError(f"quantization scales must be float32, got {q.scale.dtype}.")
     if q.zero is not None and q.zero.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"zero points must be int8 or uint8, got {q.zero.dtype}.")
-    if fmt.group % 2:
-        raise ValueError(f"the kernels read inputs in pairs, so a quantization group must be even, got {fmt.group}.")
+    if fmt.group % value_step(fmt):
+        raise ValueError(f"the kernels read inputs {value_step(fmt)} at a time here, so a quantization group must be a "
+                         f"multiple of {value_step(fmt)}, got {fmt.group}.")
     if fmt.kind == "fp8" and not bool((q.scale.abs() < FP8_SCALE_LIMIT).all()):
         raise ValueError(f"the fp8 kernel takes scales below {FP8_SCALE_LIMIT:g} (weights below ±114688), got larger.")
 
 
+def value_step(fmt: QuantFormat) -> int:
+    """Inputs per step of a quantized weight's panels: 2 (a bf16 step), or with int8 activations 4
+    (int8) or 8 (int4: one 32-bit lane of nibbles)."""
+    if fmt.activations == "int8":
+        return 8 if fmt.kind == "int4" else 4
+    return 2
+
+
+def level_offset(fmt: QuantFormat) -> int:
+    """What a stored value adds to a weight's level: 8 for symmetric int4 (offset binary), 128 for
+    symmetric int8 with int8 activations (`vpdpbusd` multiplies unsigned weights), else 0."""
+    if fmt.zero_point or fmt.kind == "fp8":
+        return 0
+    return 8 if fmt.kind == "int4" else 128 if fmt.activations == "int8" else 0
+
+
+def values_shape(panels: tuple[int, ...], fmt: QuantFormat) -> tuple[int, ...]:
+    """The stored shape of values whose panels one byte a weight are `panels` [..., B, P, 64, s]:
+    int4 two a byte ([..., B, P, 64]; a8: [..., B, P, 64, 4])."""
+    if fmt.kind != "int4":
+        return tuple(panels)
+    return tuple(panels[:-1]) if fmt.activations == "bf16" else (*panels[:-1], 4)
+
+
+def fold_int4(values8: torch.Tensor, out: torch.Tensor, fmt: QuantFormat) -> None:
+    """int4 levels one a byte (offset applied), panels [..., B, P, 64, s] → `out`, two a byte (see
+    PackedQuantized: a8 lanes, or the bf16 steps' weights t and t + 16 of each block of 16)."""
+    if fmt.activations == "int8":
+        out.copy_(values8[..., :4] | (values8[..., 4:] << 4))
+        return
+    blocks = values8.flatten(-2).unflatten(-1, (PANEL // 16, 2, 16))
+    out.view(*out.shape[:-1], PANEL // 16, 16).copy_(blocks[..., 0, :] | (blocks[..., 1, :] << 4))
+
+
+def unfold_int4(values4: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """`fold_int4`'s inverse: a new [..., B, P, 64, s] tensor."""
+    if fmt.activations == "int8":
+        return torch.cat([values4 & 15, values4 >> 4], dim=-1)
+    nibbles = values4.view(*values4.shape[:-1], PANEL // 16, 1, 16)
+    return torch.cat([nibbles & 15, nibbles >> 4], dim=-2).view(*values4.shape, 2)
+
+
 def _empty_packed(lead: tuple[int, ...], N: int, K: int, fmt: QuantFormat, shape, layout: str) -> PackedQuantized:
-    B, P, X = -(-N // PANEL), K // 2, -(-K // fmt.group)
-    values = torch.empty((*lead, B, P, PANEL) if fmt.kind == "int4" else (*lead, B, P, PANEL, 2), dtype=torch.uint8)
+    s = value_step(fmt)
+    B, P, X = -(-N // PANEL), K // s, -(-K // fmt.group)
+    values = torch.empty(values_shape((*lead, B, P, PANEL, s), fmt), dtype=torch.uint8)
     scale = torch.empty((*lead, B, X, PANEL))
     zero = torch.empty((*lead, B, X, PANEL), dtype=torch.uint8) if fmt.zero_point else None
     return PackedQuantized(values, scale, zero, fmt, tuple(shape), layout)
@@ -319,25 +370,29 @@ def _empty_packed(lead: tuple[int, ...], N: int, K: int, fmt: QuantFormat, shape
 INT4_CHUNK = 16  # panels whose nibbles are joined at a time (the scratch of `_pack_int4`)
 
 
-def _pack_int4(values_NK: torch.Tensor, offset: int, out: torch.Tensor) -> None:
-    """int4 values [..., N, K] (uint8 view of int8) → `out` [..., B, P, 64], two a byte (see
-    PackedQuantized), `offset` added (8: symmetric → offset binary), a few panels at a time."""
+def _pack_int4(values_NK: torch.Tensor, fmt: QuantFormat, out: torch.Tensor) -> None:
+    """int4 values [..., N, K] (uint8 view of int8) → `out`, two a byte (see PackedQuantized),
+    `level_offset` added (8: symmetric → offset binary), a few panels at a time."""
     N, K = values_NK.shape[-2:]
-    for one, one_out in zip(values_NK.reshape(-1, N, K), out.view(-1, *out.shape[-3:]), strict=True):
+    s, offset = value_step(fmt), level_offset(fmt)
+    panel_dims = len(values_shape((0, 0, 0, 0), fmt))
+    for one, one_out in zip(values_NK.reshape(-1, N, K), out.view(-1, *out.shape[-panel_dims:]), strict=True):
         for b0 in range(0, one_out.shape[0], INT4_CHUNK):
             b1 = min(b0 + INT4_CHUNK, one_out.shape[0])
-            grid = _panels(one[b0 * PANEL : b1 * PANEL], 2).view(b1 - b0, K // 2, PANEL // 16, 2, 16)
-            low, high = ((grid[..., h, :] ^ offset) & 15 for h in (0, 1))
-            one_out[b0:b1].view(b1 - b0, K // 2, PANEL // 16, 16).copy_(low | (high << 4))
+            fold_int4((_panels(one[b0 * PANEL : b1 * PANEL], s) ^ offset) & 15, one_out[b0:b1], fmt)
 
 
 def _pack_into(values_NK: torch.Tensor, scale_NX: torch.Tensor, zero_NX: torch.Tensor | None,
                out: PackedQuantized) -> PackedQuantized:
-    """Canonical tensors (any leading dims, rows already arranged) → `out`'s panels, from strided views."""
-    if out.fmt.kind == "int4":
-        _pack_int4(values_NK.view(torch.uint8), 0 if out.fmt.zero_point else 8, out.values)
+    """Canonical tensors (any leading dims, rows already arranged) → `out`'s panels, from strided
+    views; padding holds level 0 (`level_offset`'s byte)."""
+    fmt = out.fmt
+    if fmt.kind == "int4":
+        _pack_int4(values_NK.view(torch.uint8), fmt, out.values)
     else:
-        _panels(values_NK.view(torch.uint8), 2, out.values)
+        _panels(values_NK.view(torch.uint8), value_step(fmt), out.values)
+        if level_offset(fmt):
+            out.values.bitwise_xor_(level_offset(fmt))
     _panels(scale_NX, 1, out.scale.unsqueeze(-1))
     if zero_NX is not None:
         _panels(zero_NX.view(torch.uint8), 1, out.zero.unsqueeze(-1))
@@ -386,11 +441,8 @@ def pack_down_quantized(q: Quantized, out: PackedQuantized | None = None) -> Pac
 def unpack_quantized(packed: PackedQuantized) -> Quantized:
     """The canonical weight that was packed into `packed` (its `shape`; new tensors)."""
     fmt, shape = packed.fmt, packed.shape
-    values = packed.values
-    if fmt.kind == "int4":
-        nibbles = values.view(*values.shape[:-1], PANEL // 16, 1, 16)
-        values = torch.cat([nibbles & 15, nibbles >> 4], dim=-2).view(*values.shape, 2)
-    rows = packed.values.shape[-3 if fmt.kind == "int4" else -4] * PANEL
+    values = unfold_int4(packed.values, fmt) if fmt.kind == "int4" else packed.values
+    rows = values.shape[-4] * PANEL
     values, scale = _unpanels(values, rows), _unpanels(packed.scale.unsqueeze(-1), rows)
     zero = None if packed.zero is None else _unpanels(packed.zero.unsqueeze(-1), rows)
     N, K = shape[-2:]
@@ -399,7 +451,9 @@ def unpack_quantized(packed: PackedQuantized) -> Quantized:
     values, scale, zero = (t if t is None else t[..., :N, :] for t in (values, scale, zero))
     values, scale, zero = values[..., :K], scale[..., : K // fmt.group], None if zero is None else zero[..., : K // fmt.group]
     if fmt.kind == "int4":
-        values = values.to(torch.int8) - (0 if fmt.zero_point else 8)
+        values = values.to(torch.int8) - level_offset(fmt)
+    elif level_offset(fmt):
+        values = values ^ level_offset(fmt)
     values = values.contiguous().view(_VALUE_DTYPES[(fmt.kind, fmt.zero_point)])
     zero = None if zero is None else zero.contiguous().view(torch.uint8 if fmt.kind == "int8" else torch.int8)
     return Quantized(values, scale.contiguous(), zero, fmt)
@@ -413,10 +467,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor | PackedQuantized, out_features: int, fp32_out: bool = False) -> torch.Tensor:
     """`F.linear(x, w)` for `packed = pack(w)`, in w's dtype, or fp32 (the accumulator) with `fp32_out`;
-    for `packed = pack_quantized(q)` (bf16 x), bitwise the bf16 product with `quant.dequantize(q)`."""
+    for `packed = pack_quantized(q)` (bf16 x), bitwise the bf16 product with `quant.dequantize(q)`;
+    with int8 activations (q.fmt.activations), the integer product of x's rows quantized to int8
+    (cpu.cpp's A8Panels: docs/quantization.md)."""
     if isinstance(packed, PackedQuantized):
-        out = torch.ops.moeshard_cpu.linear_quantized(_rows(x), packed.values, packed.scale, packed.zero,
-                                                      packed.fmt.kind, packed.fmt.group, out_features, fp32_out)
+        fmt = packed.fmt
+        out = torch.ops.moeshard_cpu.linear_quantized(_rows(x), packed.values, packed.scale, packed.zero, fmt.kind,
+                                                      fmt.group, out_features, fp32_out, fmt.activations == "int8")
     else:
         out = torch.ops.moeshard_cpu.linear(_rows(x), packed, out_features, fp32_out)
     return out.view(*x.shape[:-1], out_features)
@@ -433,7 +490,8 @@ def grouped_swiglu(
         if not isinstance(w2, PackedQuantized) or w2.fmt != w13.fmt:
             raise ValueError(f"gate-up and down weights must be quantized alike, got {w13.fmt} and {getattr(w2, 'fmt', 'unquantized')}.")
         return torch.ops.moeshard_cpu.grouped_swiglu_quantized(
-            _rows(x_MD), w13.values, w13.scale, w13.zero, w2.values, w2.scale, w2.zero, w13.fmt.kind, w13.fmt.group, group_ends_L
+            _rows(x_MD), w13.values, w13.scale, w13.zero, w2.values, w2.scale, w2.zero, w13.fmt.kind, w13.fmt.group, group_ends_L,
+            w13.fmt.activations == "int8",
         )
     return torch.ops.moeshard_cpu.grouped_swiglu(_rows(x_MD), gate_up_packed, down_packed, group_ends_L)
 

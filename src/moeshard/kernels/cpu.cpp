@@ -119,6 +119,43 @@ inline __m256 eight(const uint8_t* p) {
 // `hi` outputs 8–15's, in the step's order; rounded to nearest even as vcvtneps2bf16 rounds.
 inline Step<at::BFloat16>::Vec bf16_step(vf lo, vf hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
 
+// int8 activations (A8Panels below): a 32-bit lane holds one output's 4 u8 weights, `vpdpbusd` adds
+// their products with 4 s8 inputs to its int32 sum. int4: 8 inputs a lane, low nibbles the first 4.
+inline vi izero() { return _mm512_setzero_si512(); }
+inline vi iset1(int32_t a) { return _mm512_set1_epi32(a); }
+inline vi isub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vi imul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+inline vf unfused(vf a) {  // a product the compiler may not fuse into the add that takes it
+  asm("" : "+v"(a));
+  return a;
+}
+inline int32_t four(const int8_t* a) {
+  int32_t bytes;
+  std::memcpy(&bytes, a, sizeof bytes);
+  return bytes;
+}
+struct A8Int8 {
+  using W = vi;
+  static W weights(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static vi add(vi sum, const W& w, const int8_t* a) { return _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(four(a))); }
+  static vi sums(vi sum) { return sum; }
+};
+struct A8Int4 {
+  struct W {
+    vi low, high;
+  };
+  static W weights(const uint8_t* p) {
+    const vi bytes = _mm512_loadu_si512(p), nibble = _mm512_set1_epi8(0x0F);
+    return {_mm512_and_si512(bytes, nibble), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble)};
+  }
+  static vi add(vi sum, const W& w, const int8_t* a) {
+    sum = _mm512_dpbusd_epi32(sum, w.low, _mm512_set1_epi32(four(a)));
+    return _mm512_dpbusd_epi32(sum, w.high, _mm512_set1_epi32(four(a + 4)));
+  }
+  static vi sums(vi sum) { return sum; }
+};
+constexpr int64_t kA8Rows = 4;  // rows per int8-activation tile: 16 int32 sums, 8 weight vectors
+
 // Register tiles (32 vector registers): up to 6 rows × a whole panel, 24 accumulators.
 struct Shape {
   int64_t rows, blocks;
@@ -304,6 +341,53 @@ inline Step<at::BFloat16>::Vec bf16_step(vf lo, vf hi) {
   return {{of_pairs<0>(l.lo, l.hi), of_pairs<0>(h.lo, h.hi)}, {of_pairs<1>(l.lo, l.hi), of_pairs<1>(h.lo, h.hi)}};
 }
 
+// int8 activations without VNNI, the same int32 sums (integer sums are exact in any order): int8
+// weights widened to 16 bits (u8 · s8 pairs overflow vpmaddubsw's 16-bit sums), `vpmaddwd`, then
+// adjacent sums (`vphaddd`, lanes in the order 0 1 4 5 | 2 3 6 7 until `sums` puts them back);
+// int4 through `vpmaddubsw` (15 · 127 · 4 fits 16 bits), then `vpmaddwd` by ones.
+inline vi izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline vi iset1(int32_t a) { return {_mm256_set1_epi32(a), _mm256_set1_epi32(a)}; }
+inline vi isub(vi a, vi b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+inline vi imul(vi a, vi b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
+inline vf unfused(vf a) {
+  asm("" : "+x"(a.lo), "+x"(a.hi));
+  return a;
+}
+inline int32_t four(const int8_t* a) {
+  int32_t bytes;
+  std::memcpy(&bytes, a, sizeof bytes);
+  return bytes;
+}
+inline __m256i sixteen_bytes(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+struct A8Int8 {
+  using W = const uint8_t*;
+  static W weights(const uint8_t* p) { return p; }
+  static __m256i eight(const uint8_t* p, __m256i a) {  // 8 outputs' sums (32 bytes), lanes 0 1 4 5 | 2 3 6 7
+    return _mm256_hadd_epi32(_mm256_madd_epi16(sixteen_bytes(p), a), _mm256_madd_epi16(sixteen_bytes(p + 16), a));
+  }
+  static vi add(vi sum, W w, const int8_t* a) {
+    const __m256i a16 = _mm256_cvtepi8_epi16(_mm_set1_epi32(four(a)));
+    return {_mm256_add_epi32(sum.lo, eight(w, a16)), _mm256_add_epi32(sum.hi, eight(w + 32, a16))};
+  }
+  static vi sums(vi sum) { return {_mm256_permute4x64_epi64(sum.lo, 0xD8), _mm256_permute4x64_epi64(sum.hi, 0xD8)}; }
+};
+struct A8Int4 {
+  using W = const uint8_t*;
+  static W weights(const uint8_t* p) { return p; }
+  static __m256i eight(const uint8_t* p, __m256i low4, __m256i high4) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), nibble = _mm256_set1_epi8(0x0F);
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(bytes, nibble), low4),
+                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), high4));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+  static vi add(vi sum, W w, const int8_t* a) {
+    const __m256i low4 = _mm256_set1_epi32(four(a)), high4 = _mm256_set1_epi32(four(a + 4));
+    return {_mm256_add_epi32(sum.lo, eight(w, low4, high4)), _mm256_add_epi32(sum.hi, eight(w + 32, low4, high4))};
+  }
+  static vi sums(vi sum) { return sum; }
+};
+constexpr int64_t kA8Rows = 2;
+
 // Register tiles (16 vector registers): 1 row × a whole panel (the decode shape: the most
 // independent sums per weight byte read), 2 rows × 2 blocks, or one block for more rows: 4 in bf16
 // (a step's weights take 4 registers), 6 in fp32 (2), 12 accumulators.
@@ -369,6 +453,7 @@ struct PlainPanels {
   const T* panel_w = nullptr;
 
   void begin(int64_t panel, bool /*one_row_tile*/) { panel_w = w + panel * P * kPanelStep<T>; }
+  Shape shape(int64_t left, int64_t min_blocks) const { return tile_shape<T>(left, min_blocks); }
   void tile(int64_t mb, int64_t nb, int64_t j0, const T* x, int64_t ldx, vf (&acc)[kMaxRows][kMaxBlocks]) const {
     tile_of<T>(mb, nb)(x, ldx, panel_w + j0 * kLanes * Step<T>::kInputs, P, acc);
   }
@@ -501,6 +586,8 @@ struct QuantPanels {
   const uint8_t* panel_zero = nullptr;
   const at::BFloat16* dequantized = nullptr;
 
+  Shape shape(int64_t left, int64_t min_blocks) const { return tile_shape<at::BFloat16>(left, min_blocks); }
+
   QConsts consts(int64_t g, int64_t block) const {
     const int64_t at = g * kMaxBlocks * kLanes + block * kLanes;
     return Dequant<Q>::consts(panel_scale + at, panel_zero ? panel_zero + at : nullptr);
@@ -543,16 +630,159 @@ struct QuantPanels {
   }
 };
 
-// Rows [0, M) times blocks [b0, b1) (b0 a panel's first) of packed weights `w` (PlainPanels or
-// QuantPanels) with N outputs; out is [M, N] with stride ldo.
-template <typename T, typename Out, typename W>
-void gemm_blocks(const T* x, int64_t ldx, int64_t M, W w, int64_t N, Out* out, int64_t ldo, int64_t b0, int64_t b1) {
+
+// ---- Quantized weights times int8 activations (`vpdpbusd`), LLM(quantize_activations=True) ----
+//
+// Each row of activations is quantized per group of G inputs (the weights' groups), on its own:
+// scale = max |x| / 127 (fp32), q = round_even(x / scale) in −127…127, and Σ q kept (an all-zero
+// group: scale 0, q 0). A weight is stored as an unsigned level u (int8 + 128, int4 + 8, or as
+// given with zero points z), so per row, output and group the exact int32 sum is
+//   S = Σ u·q − z·Σq = Σ (value − z)·q   (z = 128, 8 or the zero point),
+// and the fp32 accumulator, group by group in order, adds float(S) · (weight scale · row scale):
+// two fp32 multiplies and an add, each rounded (never fused). A row's result depends on that row
+// alone, and the AVX2 build gets the same int32 sums, so the same bits.
+//
+// Panels ("a8" layout, moeshard.kernels.PackedQuantized): per step of 4 inputs (int8) or 8 (int4)
+// and block of 16 outputs, 64 bytes: output n's 32-bit lane holds its 4 levels of the step (int4:
+// inputs 0–3 in the low nibbles, 4–7 in the high ones), in input order.
+
+constexpr int64_t kA8BlockBytes = 64;
+constexpr int64_t kA8StepBytes = kMaxBlocks * kA8BlockBytes;
+
+// Rows of quantized activations (HeldRows' view), from row 0 of a tile on.
+struct QRows {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* total;  // Σ q per group
+  int64_t K, groups;
+  QRows operator+(int64_t rows) const { return {q + rows * K, scale + rows * groups, total + rows * groups, K, groups}; }
+};
+
+struct HeldRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> total;
+  int64_t K, groups;
+  QRows rows() const { return {q.data(), scale.data(), total.data(), K, groups}; }
+};
+
+HeldRows quantize_rows(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t G) {
+  const int64_t X = (K + G - 1) / G;
+  HeldRows held{std::vector<int8_t>(M * K), std::vector<float>(M * X), std::vector<int32_t>(M * X), K, X};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < X; ++g) {
+      const at::BFloat16* in = x + m * ldx + g * G;
+      int8_t* q = held.q.data() + m * K + g * G;
+      const int64_t n = std::min(G, K - g * G);
+      float largest = 0.f;
+      for (int64_t k = 0; k < n; ++k) largest = std::max(largest, std::fabs(float(in[k])));
+      const float scale = largest / 127.f;
+      int32_t total = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        q[k] = largest > 0.f ? int8_t(std::clamp(std::nearbyint(float(in[k]) / scale), -127.f, 127.f)) : int8_t(0);
+        total += q[k];
+      }
+      held.scale[m * X + g] = scale;
+      held.total[m * X + g] = total;
+    }
+  return held;
+}
+
+// What a kind's step does: the dot product (A8Int8, A8Int4), inputs per step, the level of zero
+// where the weights have no zero points.
+template <QKind Q>
+struct A8 {
+  using Step = A8Int8;
+  static constexpr int64_t kInputs = 4;
+  static constexpr int32_t kZero = Q == QKind::kInt8 ? 128 : 0;
+};
+template <>
+struct A8<QKind::kInt4> {
+  using Step = A8Int4;
+  static constexpr int64_t kInputs = 8;
+  static constexpr int32_t kZero = 8;
+};
+
+template <QKind Q>
+struct A8Panels;
+
+template <QKind Q, int MB, int NB>
+void a8_tile(const QRows& x, const A8Panels<Q>& w, int64_t j0, vf (&out)[kMaxRows][kMaxBlocks]) {
+  using S = typename A8<Q>::Step;
+  vf acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = zero();
+  const uint8_t* values = w.panel_values + j0 * kA8BlockBytes;
+  for (int64_t g = 0, p0 = 0; p0 < w.P; ++g, p0 += w.group_steps) {
+    vi sum[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) sum[i][j] = izero();
+    for (int64_t p = p0, p1 = std::min(w.P, p0 + w.group_steps); p < p1; ++p) {
+      typename S::W wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = S::weights(values + p * kA8StepBytes + j * kA8BlockBytes);
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* a = x.q + i * x.K + p * A8<Q>::kInputs;
+        for (int j = 0; j < NB; ++j) sum[i][j] = S::add(sum[i][j], wv[j], a);
+      }
+    }
+    const int64_t at = g * kMaxBlocks * kLanes + j0 * kLanes;
+    for (int j = 0; j < NB; ++j) {
+      const vf weight_scale = load(w.panel_scale + at + j * kLanes, kAll);
+      const vi zero_level = w.panel_zero ? load_zx(w.panel_zero + at + j * kLanes) : iset1(A8<Q>::kZero);
+      for (int i = 0; i < MB; ++i) {
+        const vi exact = isub(S::sums(sum[i][j]), imul(zero_level, iset1(x.total[i * x.groups + g])));
+        const vf scale = mul(weight_scale, set1(x.scale[i * x.groups + g]));
+        acc[i][j] = add(acc[i][j], unfused(mul(to_float(exact), scale)));
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i][j] = acc[i][j];
+}
+
+template <QKind Q>
+struct A8Panels {
+  static constexpr int64_t kStepBytes = kA8StepBytes;
+  const uint8_t* values;  // panel 0's
+  const float* scale;
+  const uint8_t* zero;  // or nullptr
+  int64_t P, groups, group_steps;  // P: steps of A8<Q>::kInputs inputs
+  const uint8_t* panel_values = nullptr;
+  const float* panel_scale = nullptr;
+  const uint8_t* panel_zero = nullptr;
+
+  void begin(int64_t panel, bool /*one_row_tile*/) {
+    panel_values = values + panel * P * kStepBytes;
+    panel_scale = scale + panel * groups * kMaxBlocks * kLanes;
+    panel_zero = zero ? zero + panel * groups * kMaxBlocks * kLanes : nullptr;
+  }
+  Shape shape(int64_t left, int64_t /*min_blocks*/) const { return {std::min(kA8Rows, left), kMaxBlocks}; }
+
+  void tile(int64_t mb, int64_t nb, int64_t j0, const QRows& x, int64_t /*ldx*/, vf (&acc)[kMaxRows][kMaxBlocks]) const {
+    using ATile = void (*)(const QRows&, const A8Panels&, int64_t, vf(&)[kMaxRows][kMaxBlocks]);
+#define MOESHARD_ATILES(M) {&a8_tile<Q, M, 1>, &a8_tile<Q, M, 2>, &a8_tile<Q, M, 3>, &a8_tile<Q, M, 4>}
+#if defined(__AVX512F__)
+    static constexpr ATile tiles[kA8Rows][kMaxBlocks] = {MOESHARD_ATILES(1), MOESHARD_ATILES(2), MOESHARD_ATILES(3),
+                                                         MOESHARD_ATILES(4)};
+#else
+    static constexpr ATile tiles[kA8Rows][kMaxBlocks] = {MOESHARD_ATILES(1), MOESHARD_ATILES(2)};
+#endif
+#undef MOESHARD_ATILES
+    tiles[mb - 1][nb - 1](x, *this, j0, acc);
+  }
+};
+
+// Rows [0, M) times blocks [b0, b1) (b0 a panel's first) of packed weights `w` (PlainPanels,
+// QuantPanels or A8Panels, whose rows x are bf16/fp32 pointers or QRows) with N outputs; out is
+// [M, N] with stride ldo.
+template <typename X, typename Out, typename W>
+void gemm_blocks(X x, int64_t ldx, int64_t M, W w, int64_t N, Out* out, int64_t ldo, int64_t b0, int64_t b1) {
   vf acc[kMaxRows][kMaxBlocks];
   for (int64_t b = b0; b < b1; b += kMaxBlocks) {
     const int64_t panel_blocks = std::min(kMaxBlocks, b1 - b);
-    w.begin(b / kMaxBlocks, tile_shape<T>(M, 1).rows >= M);
+    w.begin(b / kMaxBlocks, w.shape(M, 1).rows >= M);
     for (int64_t m = 0, mb; m < M; m += mb) {
-      const Shape shape = tile_shape<T>(M - m, 1);
+      const Shape shape = w.shape(M - m, 1);
       mb = shape.rows;
       for (int64_t j0 = 0; j0 < panel_blocks; j0 += shape.blocks) {
         const int64_t nb = std::min(shape.blocks, panel_blocks - j0);
@@ -596,14 +826,14 @@ inline vf swiglu_ps(vf gate, vf up) {
 
 // Rows [0, M) of one expert's gate/up (blocks interleaved: gate block c, then up block c) → h [M, Ip],
 // for intermediate blocks [c0, c1), c0 even (a panel holds two intermediate blocks).
-template <typename T, typename W>
-void gate_up_blocks(const T* x, int64_t ldx, int64_t M, W w13, T* h, int64_t Ip, int64_t c0, int64_t c1) {
+template <typename T, typename X, typename W>
+void gate_up_blocks(X x, int64_t ldx, int64_t M, W w13, T* h, int64_t Ip, int64_t c0, int64_t c1) {
   vf acc[kMaxRows][kMaxBlocks];
   for (int64_t c = c0; c < c1; c += 2) {
     const int64_t pairs = std::min<int64_t>(2, c1 - c);
-    w13.begin(c / 2, tile_shape<T>(M, 2).rows >= M);
+    w13.begin(c / 2, w13.shape(M, 2).rows >= M);
     for (int64_t m = 0, mb; m < M; m += mb) {
-      const Shape shape = tile_shape<T>(M - m, 2);  // a tile holds both halves of its outputs
+      const Shape shape = w13.shape(M - m, 2);  // a tile holds both halves of its outputs
       mb = shape.rows;
       for (int64_t q0 = 0; q0 < pairs; q0 += shape.blocks / 2) {
         const int64_t nq = std::min(shape.blocks / 2, pairs - q0);
@@ -636,15 +866,20 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, int64_t P) {
 // The experts' work is split in chunks of this many blocks (one panel), per expert.
 constexpr int64_t kGrainBlocks = kMaxBlocks;
 
-template <typename T, typename Out, typename W>
-void linear_impl(const at::Tensor& x_MK, const W& w, int64_t panels, int64_t N, at::Tensor& out) {
-  const int64_t M = x_MK.size(0), blocks = panels * kMaxBlocks;
-  const T* x = x_MK.data_ptr<T>();
+// Rows x (ldx apart, M of them) times the weight w: out [M, N].
+template <typename Out, typename X, typename W>
+void linear_impl(X x, int64_t ldx, int64_t M, const W& w, int64_t panels, int64_t N, at::Tensor& out) {
+  const int64_t blocks = panels * kMaxBlocks;
   Out* o = out.data_ptr<Out>();
   // Split by whole panels (a tile never straddles two), whatever ranges the threads get.
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    gemm_blocks(x, x_MK.stride(0), M, w, N, o, N, p0 * kMaxBlocks, std::min(p1 * kMaxBlocks, blocks));
+    gemm_blocks(x, ldx, M, w, N, o, N, p0 * kMaxBlocks, std::min(p1 * kMaxBlocks, blocks));
   });
+}
+
+template <typename T, typename Out, typename W>
+void linear_impl(const at::Tensor& x_MK, const W& w, int64_t panels, int64_t N, at::Tensor& out) {
+  linear_impl<Out>(x_MK.data_ptr<T>(), x_MK.stride(0), x_MK.size(0), w, panels, N, out);
 }
 
 // x [M, K] · packed weight → [M, N]: fp32 weights give fp32; bf16 weights give bf16, or the fp32
@@ -667,13 +902,34 @@ at::Tensor linear(const at::Tensor& x_MK, const at::Tensor& w_BPs, int64_t N, bo
   return out;
 }
 
-// Rows sorted by expert; experts(l) gives expert l's gate/up and down panels (PlainPanels or QuantPanels).
-template <typename T, typename Experts>
+// The rows a product reads as they are: (pointer, row stride).
+struct AsStored {
+  template <typename T>
+  std::pair<const T*, int64_t> operator()(const T* x, int64_t ldx, int64_t /*M*/, int64_t /*K*/) const {
+    return {x, ldx};
+  }
+};
+
+// The rows quantized (quantize_rows), held until this object goes: (QRows, 1).
+struct Int8Rows {
+  int64_t group;
+  std::vector<HeldRows> held;
+  std::pair<QRows, int64_t> operator()(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K) {
+    held.reserve(2);  // gate-up's and down's inputs: views of the first stay valid
+    held.push_back(quantize_rows(x, ldx, M, K, group));
+    return {held.back().rows(), 1};
+  }
+};
+
+// Rows sorted by expert; experts(l) gives expert l's gate/up and down panels (PlainPanels,
+// QuantPanels or A8Panels); inputs(x, ldx, M, K) the rows each product reads (AsStored, Int8Rows).
+template <typename T, typename Experts, typename Inputs = AsStored>
 void grouped_swiglu_impl(const at::Tensor& x_MD, int64_t L, int64_t down_panels, Experts experts,
-                         const std::vector<int64_t>& starts, at::Tensor& h, at::Tensor& y) {
+                         const std::vector<int64_t>& starts, at::Tensor& h, at::Tensor& y, Inputs inputs = {}) {
   const int64_t Ip = h.size(1), D = x_MD.size(1);
-  const T* x = x_MD.data_ptr<T>();
-  const int64_t ldx = x_MD.stride(0);
+  const auto rows = inputs(x_MD.data_ptr<T>(), x_MD.stride(0), starts[L], D);
+  const auto x = rows.first;
+  const int64_t ldx = rows.second;
   T* hp = h.data_ptr<T>();
   // Tasks are (expert, chunk of blocks) pairs, so experts with one row each still spread over threads.
   auto for_each_chunk = [&](int64_t blocks, auto&& body) {
@@ -688,8 +944,11 @@ void grouped_swiglu_impl(const at::Tensor& x_MD, int64_t L, int64_t down_panels,
   for_each_chunk(Ip / kLanes, [&](int64_t l, int64_t c0, int64_t c1) {
     gate_up_blocks(x + starts[l] * ldx, ldx, starts[l + 1] - starts[l], experts(l).first, hp + starts[l] * Ip, Ip, c0, c1);
   });
+  const auto hidden = inputs(static_cast<const T*>(hp), Ip, starts[L], Ip);
+  const auto hs = hidden.first;
+  const int64_t ldh = hidden.second;
   for_each_chunk(down_panels * kMaxBlocks, [&](int64_t l, int64_t b0, int64_t b1) {
-    gemm_blocks(hp + starts[l] * Ip, Ip, starts[l + 1] - starts[l], experts(l).second, D, y.data_ptr<T>() + starts[l] * D,
+    gemm_blocks(hs + starts[l] * ldh, ldh, starts[l + 1] - starts[l], experts(l).second, D, y.data_ptr<T>() + starts[l] * D,
                 D, b0, b1);
   });
 }
@@ -747,19 +1006,23 @@ at::Tensor grouped_swiglu(const at::Tensor& x_MD, const at::Tensor& w13, const a
 // ---- The quantized ops --------------------------------------------------------------------
 
 // Checks a quantized weight's panels ([lead], then [B, P, 64, 2] values, or [B, P, 64] for int4;
-// scale and zero [B, ceil(2P/G), 64]) and returns its step count P.
+// with int8 activations [B, P, 64, 4], steps of 4 inputs (int8) or 8 (int4); scale and zero
+// [B, ceil(K/G), 64]) and returns its inputs K.
 int64_t check_quantized(const at::Tensor& values, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
-                        const std::string& kind, int64_t group, int64_t lead, const char* name) {
+                        const std::string& kind, int64_t group, bool int8_activations, int64_t lead, const char* name) {
   TORCH_CHECK(kind == "fp8" || kind == "int8" || kind == "int4", name, ": the quantization must be fp8, int8 or int4, got ",
               kind);
-  TORCH_CHECK(group >= 2 && group % 2 == 0, name, ": a quantization group must be a positive even number of inputs "
-              "(the kernels read inputs in pairs), got ", group);
+  TORCH_CHECK(!int8_activations || kind != "fp8", name, ": int8 activations take int8 or int4 weights, not fp8");
   const bool int4 = kind == "int4";
+  const int64_t step = int8_activations ? (int4 ? 8 : 4) : 2;
+  TORCH_CHECK(group >= step && group % step == 0, name, ": a quantization group must be a positive multiple of ", step,
+              " inputs (the kernels' step), got ", group);
   TORCH_CHECK(values.scalar_type() == at::kByte && values.device().is_cpu() && values.is_contiguous() &&
-                  values.dim() == lead + (int4 ? 3 : 4) && values.size(lead + 2) == kMaxBlocks * kLanes &&
-                  (int4 || values.size(lead + 3) == 2),
+                  values.dim() == lead + (int4 && !int8_activations ? 3 : 4) &&
+                  values.size(lead + 2) == kMaxBlocks * kLanes &&
+                  ((int4 && !int8_activations) || values.size(lead + 3) == (int8_activations ? 4 : 2)),
               name, "'s values must be uint8 panels made by moeshard.kernels.pack_quantized");
-  const int64_t B = values.size(lead), P = values.size(lead + 1), groups = (2 * P + group - 1) / group;
+  const int64_t B = values.size(lead), P = values.size(lead + 1), groups = (step * P + group - 1) / group;
   auto panels_of_groups = [&](const at::Tensor& t) {
     return t.device().is_cpu() && t.is_contiguous() && t.dim() == lead + 3 && t.size(lead) == B &&
            t.size(lead + 1) == groups && t.size(lead + 2) == kMaxBlocks * kLanes &&
@@ -770,13 +1033,13 @@ int64_t check_quantized(const at::Tensor& values, const at::Tensor& scale, const
   TORCH_CHECK(!zero.has_value() || kind != "fp8", name, ": fp8 weights have no zero points");
   TORCH_CHECK(!zero.has_value() || (zero->scalar_type() == at::kByte && panels_of_groups(*zero)), name,
               "'s zero points must be uint8 panels shaped as its scales");
-  return P;
+  return step * P;
 }
 
-void check_quantized_rows(const at::Tensor& x, int64_t P) {
+void check_quantized_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "quantized weights take bfloat16 activations, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0, "x must be [M, K] rows (an even row stride)");
-  TORCH_CHECK(x.size(1) == 2 * P, "x has ", x.size(1), " inputs; the packed weight has ", 2 * P);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs; the packed weight has ", K);
 }
 
 // The panels of a quantized weight ([lead] dims first), of kind Q.
@@ -785,6 +1048,14 @@ QuantPanels<Q> quant_panels(const at::Tensor& values, const at::Tensor& scale, c
                             int64_t group, int64_t lead) {
   return {values.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.has_value() ? zero->data_ptr<uint8_t>() : nullptr,
           values.size(lead + 1), scale.size(lead + 1), group / 2};
+}
+
+// The panels of a quantized weight in the int8-activation layout ([lead] dims first), of kind Q.
+template <QKind Q>
+A8Panels<Q> a8_panels(const at::Tensor& values, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                      int64_t group, int64_t lead) {
+  return {values.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.has_value() ? zero->data_ptr<uint8_t>() : nullptr,
+          values.size(lead + 1), scale.size(lead + 1), group / A8<Q>::kInputs};
 }
 
 // body(std::integral_constant<QKind, Q>) for the weights' kind Q.
@@ -800,31 +1071,41 @@ void with_kind(const std::string& kind, bool zero_points, Body&& body) {
     body(std::integral_constant<QKind, QKind::kInt4>{});
 }
 
-// Expert l's panels of a [L, ...] quantized weight.
-template <QKind Q>
-QuantPanels<Q> expert_panels(QuantPanels<Q> w, int64_t panels, int64_t l) {
-  w.values += l * panels * w.P * QuantPanels<Q>::kStepBytes;
+// Expert l's panels of a [L, ...] quantized weight (QuantPanels or A8Panels).
+template <typename W>
+W expert_panels(W w, int64_t panels, int64_t l) {
+  w.values += l * panels * w.P * W::kStepBytes;
   w.scale += l * panels * w.groups * kMaxBlocks * kLanes;
   if (w.zero) w.zero += l * panels * w.groups * kMaxBlocks * kLanes;
   return w;
 }
 
 // x [M, K] (bf16) · a quantized packed weight → [M, N], bf16 or fp32 (fp32_out): the bf16 linear's
-// bits on the dequantized weights.
+// bits on the dequantized weights; with int8_activations (int8/int4 weights in the a8 layout), the
+// integer products of the rows quantized to int8 (A8Panels).
 at::Tensor linear_quantized(const at::Tensor& x_MK, const at::Tensor& values, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero, const std::string& kind, int64_t group, int64_t N,
-                            bool fp32_out) {
-  const int64_t P = check_quantized(values, scale, zero, kind, group, 0, "weight");
+                            bool fp32_out, bool int8_activations) {
+  const int64_t K = check_quantized(values, scale, zero, kind, group, int8_activations, 0, "weight");
   TORCH_CHECK(values.size(0) * kMaxBlocks * kLanes >= N, "the packed weight has fewer than ", N, " outputs");
-  check_quantized_rows(x_MK, P);
+  check_quantized_rows(x_MK, K);
   auto out = at::empty({x_MK.size(0), N}, x_MK.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   if (x_MK.size(0) == 0 || N == 0) return out;
-  with_kind(kind, zero.has_value(), [&](auto q) {
-    const auto w = quant_panels<decltype(q)::value>(values, scale, zero, group, 0);
+  auto run = [&](const auto& w, auto x, int64_t ldx) {
     if (fp32_out)
-      linear_impl<at::BFloat16, float>(x_MK, w, values.size(0), N, out);
+      linear_impl<float>(x, ldx, x_MK.size(0), w, values.size(0), N, out);
     else
-      linear_impl<at::BFloat16, at::BFloat16>(x_MK, w, values.size(0), N, out);
+      linear_impl<at::BFloat16>(x, ldx, x_MK.size(0), w, values.size(0), N, out);
+  };
+  with_kind(kind, zero.has_value(), [&](auto q) {
+    constexpr QKind Q = decltype(q)::value;
+    if constexpr (Q != QKind::kFp8) {
+      if (int8_activations) {
+        const HeldRows rows = quantize_rows(x_MK.data_ptr<at::BFloat16>(), x_MK.stride(0), x_MK.size(0), K, group);
+        return run(a8_panels<Q>(values, scale, zero, group, 0), rows.rows(), 1);
+      }
+    }
+    run(quant_panels<Q>(values, scale, zero, group, 0), x_MK.data_ptr<at::BFloat16>(), x_MK.stride(0));
   });
   return out;
 }
@@ -834,24 +1115,31 @@ at::Tensor linear_quantized(const at::Tensor& x_MK, const at::Tensor& values, co
 at::Tensor grouped_swiglu_quantized(const at::Tensor& x_MD, const at::Tensor& values13, const at::Tensor& scale13,
                                     const c10::optional<at::Tensor>& zero13, const at::Tensor& values2,
                                     const at::Tensor& scale2, const c10::optional<at::Tensor>& zero2,
-                                    const std::string& kind, int64_t group, const at::Tensor& group_ends_L) {
-  const int64_t P13 = check_quantized(values13, scale13, zero13, kind, group, 1, "w13");
-  const int64_t P2 = check_quantized(values2, scale2, zero2, kind, group, 1, "w2");
+                                    const std::string& kind, int64_t group, const at::Tensor& group_ends_L,
+                                    bool int8_activations) {
+  const int64_t K13 = check_quantized(values13, scale13, zero13, kind, group, int8_activations, 1, "w13");
+  const int64_t K2 = check_quantized(values2, scale2, zero2, kind, group, int8_activations, 1, "w2");
   TORCH_CHECK(zero13.has_value() == zero2.has_value(), "grouped_swiglu: w13 and w2 must both have zero points or neither");
-  check_quantized_rows(x_MD, P13);
+  check_quantized_rows(x_MD, K13);
   const int64_t L = values13.size(0), Ip = values13.size(1) * 2 * kLanes, D = x_MD.size(1);
-  TORCH_CHECK(values2.size(0) == L && 2 * P2 == Ip && values2.size(1) * kMaxBlocks * kLanes >= D,
+  TORCH_CHECK(values2.size(0) == L && K2 == Ip && values2.size(1) * kMaxBlocks * kLanes >= D,
               "grouped_swiglu: w2 does not match w13");
   const std::vector<int64_t> starts = group_starts(group_ends_L, L, x_MD.size(0));
   auto h = at::empty({starts[L], Ip}, x_MD.options());
   auto y = zero_past(x_MD, starts[L]);
-  with_kind(kind, zero13.has_value(), [&](auto q) {
-    constexpr QKind Q = decltype(q)::value;
-    const auto w13 = quant_panels<Q>(values13, scale13, zero13, group, 1);
-    const auto w2 = quant_panels<Q>(values2, scale2, zero2, group, 1);
+  auto run = [&](const auto& w13, const auto& w2, auto inputs) {
     grouped_swiglu_impl<at::BFloat16>(x_MD, L, values2.size(1), [&](int64_t l) {
       return std::make_pair(expert_panels(w13, values13.size(1), l), expert_panels(w2, values2.size(1), l));
-    }, starts, h, y);
+    }, starts, h, y, inputs);
+  };
+  with_kind(kind, zero13.has_value(), [&](auto q) {
+    constexpr QKind Q = decltype(q)::value;
+    if constexpr (Q != QKind::kFp8) {
+      if (int8_activations)
+        return run(a8_panels<Q>(values13, scale13, zero13, group, 1), a8_panels<Q>(values2, scale2, zero2, group, 1),
+                   Int8Rows{group, {}});
+    }
+    run(quant_panels<Q>(values13, scale13, zero13, group, 1), quant_panels<Q>(values2, scale2, zero2, group, 1), AsStored{});
   });
   return y;
 }
@@ -1146,9 +1434,9 @@ TORCH_LIBRARY(moeshard_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, int N, bool fp32_out) -> Tensor");
   m.def("grouped_swiglu(Tensor x, Tensor w13, Tensor w2, Tensor group_ends) -> Tensor");
   m.def("linear_quantized(Tensor x, Tensor values, Tensor scale, Tensor? zero, str kind, int group, int N, "
-        "bool fp32_out) -> Tensor");
+        "bool fp32_out, bool int8_activations) -> Tensor");
   m.def("grouped_swiglu_quantized(Tensor x, Tensor values13, Tensor scale13, Tensor? zero13, Tensor values2, "
-        "Tensor scale2, Tensor? zero2, str kind, int group, Tensor group_ends) -> Tensor");
+        "Tensor scale2, Tensor? zero2, str kind, int group, Tensor group_ends, bool int8_activations) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_starts, Tensor seq_lens, "
         "Tensor slots, float scale, int window) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -91,10 +91,6 @@ def input_steps(cols: range, values: torch.Tensor, step: int) -> tuple[slice, to
     return slice(cols.start // step, cols.start // step + values.shape[-1] // step), values
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros((), dtype=dtype).expand(shape)
-
-
 class InComputeDtype:
     """A layout whose storage holds the weight in the model's dtype."""
 
@@ -149,13 +145,14 @@ class Panels(InComputeDtype):
         steps, values = input_steps(cols, values.expand(block_shape(self.shape, dest)), self.step)
         write_panel_rows(storage[lead], rows.start, values, steps)
 
-    def zero_padding(self, storage: torch.Tensor) -> None:
+    def zero_padding(self, storage: torch.Tensor, value: int = 0) -> None:
+        """Zeros (or `value`: a quantized layout's byte of level 0) where no block writes."""
         N, K = self.shape[-2:]
         if N % PANEL:
-            storage[..., -1, :, N % PANEL :, :].zero_()
+            storage[..., -1, :, N % PANEL :, :].fill_(value)
         if self.inputs > K:
-            storage[..., K // self.step, :, K % self.step :].zero_()
-            storage[..., K // self.step + 1 :, :, :].zero_()
+            storage[..., K // self.step, :, K % self.step :].fill_(value)
+            storage[..., K // self.step + 1 :, :, :].fill_(value)
 
     def read(self, storage: torch.Tensor) -> torch.Tensor:
         *lead, N, K = self.shape
@@ -214,13 +211,13 @@ class GateUpPanels(InComputeDtype):
                 write_panel_rows(panels, tile * 2 * TILE + half * TILE + row, values[..., done : done + take, :], steps)
                 done += take
 
-    def zero_padding(self, storage: torch.Tensor) -> None:
+    def zero_padding(self, storage: torch.Tensor, value: int = 0) -> None:
         *lead, _, D = self.shape
         I = self.intermediate
         pad = kernels.padded_intermediate(I) - I
         if pad:
             for half in range(2):
-                self.write_half(storage, half, I, zeros((*lead, pad, D), storage.dtype), slice(None))
+                self.write_half(storage, half, I, torch.full((), value, dtype=storage.dtype).expand(*lead, pad, D), slice(None))
 
     def read(self, storage: torch.Tensor) -> torch.Tensor:
         *lead, _, D = self.shape
@@ -256,19 +253,6 @@ class TransposedPanels(InComputeDtype):
         return self.panels.linear(x, storage, fp32_out)
 
 
-def fold_nibbles(values8: torch.Tensor, out: torch.Tensor) -> None:
-    """int4 values one a byte in `Panels`' layout [..., B, P, 64, 2] → two a byte [..., B, P, 64]
-    (kernels.PackedQuantized: in each 16-output block byte t holds weight t low, t + 16 high)."""
-    blocks = values8.flatten(-2).unflatten(-1, (PANEL // 16, 2, 16))
-    out.view(*out.shape[:-1], PANEL // 16, 16).copy_(blocks[..., 0, :] | (blocks[..., 1, :] << 4))
-
-
-def unfold_nibbles(values4: torch.Tensor) -> torch.Tensor:
-    """`fold_nibbles`' inverse: a new [..., B, P, 64, 2] tensor."""
-    nibbles = values4.view(*values4.shape[:-1], PANEL // 16, 1, 16)
-    return torch.cat([nibbles & 15, nibbles >> 4], dim=-2).view(*values4.shape, 2)
-
-
 def aligned(n: int) -> int:
     return -(-n // 4) * 4
 
@@ -281,11 +265,13 @@ class QuantizedPanels:
     byte tensor, so that sleep, wake, digests and held bytes see one parameter as for any weight.
 
     Values lie as `Panels`/`GateUpPanels` lay bf16 weights out in steps of 2 (one byte each; int4
-    two a byte, `fold_nibbles`), scales and zero points as they lay a [*lead, N, K/G] weight out in
-    steps of 1: a block is written through those layouts. A block is a canonical `Quantized` one
+    two a byte, `kernels.fold_int4`; with int8 activations in steps of `kernels.value_step`, 4 or 8,
+    unsigned), scales and zero points as they lay a [*lead, N, K/G] weight out in steps of 1: a
+    block is written through those layouts. A block is a canonical `Quantized` one
     in `fmt` (a published checkpoint's) or a bf16/fp32 one, quantized here (`quantize`); its inputs
     must be whole groups. Padding holds zero values and scales (an fp8 byte of garbage may be NaN).
-    int4 goes through one leading index's values one a byte (`unfold_nibbles`): the only scratch."""
+    int4 goes through one leading index's values one a byte (`kernels.unfold_int4`): the only scratch
+    (and symmetric int8 with int8 activations through one offset copy of the block)."""
 
     shape: tuple[int, ...]
     fmt: QuantFormat
@@ -300,18 +286,15 @@ class QuantizedPanels:
         if self.shape[-1] % self.fmt.group:
             raise ValueError(f"a weight of {self.shape[-1]} inputs is not whole groups of {self.fmt.group}.")
 
-    def int4_offset(self) -> int:
-        """What the kernels' int4 nibbles add to a value: 8 for symmetric int4 (offset binary)."""
-        return 0 if self.fmt.zero_point else 8
-
     def layouts(self) -> tuple:
         """(values' layout, one byte a weight; the [*lead, N, K/G] scales' and zero points' layout)."""
         *lead, N, K = self.shape
         groups = (*lead, N, K // self.fmt.group)
+        step = kernels.value_step(self.fmt)
         if self.kind == "gate_up":
-            return GateUpPanels(self.shape, 2), GateUpPanels(groups, 1)
+            return GateUpPanels(self.shape, step), GateUpPanels(groups, 1)
         inputs = kernels.padded_intermediate(K) if self.kind == "down" else K
-        return Panels(self.shape, 2, inputs), Panels(groups, 1, -(-inputs // self.fmt.group))
+        return Panels(self.shape, step, inputs), Panels(groups, 1, -(-inputs // self.fmt.group))
 
     def sizes(self) -> tuple[int, int, int]:
         """Bytes of values, scales and zero points."""
@@ -326,15 +309,12 @@ class QuantizedPanels:
         return torch.uint8
 
     def parts(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Views of `storage`: values ([..., B, P, 64, 2], int4 [..., B, P, 64]), scales and zero
+        """Views of `storage`: values (kernels.values_shape of their panels), scales and zero
         points ([..., B, X, 64, 1])."""
         value_layout, group_layout = self.layouts()
-        values_shape = value_layout.storage_shape()
-        if self.fmt.kind == "int4":
-            values_shape = values_shape[:-1]
         n_values, n_scales, n_zeros = self.sizes()
         start = aligned(n_values)
-        values = storage[:n_values].view(values_shape)
+        values = storage[:n_values].view(kernels.values_shape(value_layout.storage_shape(), self.fmt))
         scale = storage[start : start + n_scales].view(torch.float32).view(group_layout.storage_shape())
         zero = storage[start + n_scales :].view(group_layout.storage_shape()) if n_zeros else None
         return values, scale, zero
@@ -363,16 +343,15 @@ class QuantizedPanels:
         values_s, scale_s, zero_s = self.parts(storage)
         block = (*lead, slice(rows.start, rows.stop), slice(cols.start, cols.stop))
         groups = (*lead, slice(rows.start, rows.stop), slice(cols.start // G, cols.stop // G))
-        levels = q.values.view(torch.uint8)
+        levels, offset = q.values.view(torch.uint8), kernels.level_offset(self.fmt)
         if self.fmt.kind == "int4":  # through one leading index's values one a byte (the only scratch)
-            scratch = unfold_nibbles(values_s[lead])
-            offset = self.int4_offset()
+            scratch = kernels.unfold_int4(values_s[lead], self.fmt)
             kept = tuple(slice(None) for d in lead if isinstance(d, slice))  # the lead dims a slice keeps
             within = replace(value_layout, shape=block_shape(value_layout.shape, lead))
             within.write(scratch, (*kept, *block[len(lead):]), (levels ^ offset) & 15)
-            fold_nibbles(scratch, values_s[lead])
+            kernels.fold_int4(scratch, values_s[lead], self.fmt)
         else:
-            value_layout.write(values_s, block, levels)
+            value_layout.write(values_s, block, levels ^ offset if offset else levels)
         group_layout.write(scale_s, groups, q.scale)
         if zero_s is not None:
             group_layout.write(zero_s, groups, q.zero.view(torch.uint8))
@@ -381,12 +360,12 @@ class QuantizedPanels:
         value_layout, group_layout = self.layouts()
         values, scale, zero = self.parts(storage)
         if self.fmt.kind == "int4":  # every load writes the same bytes: digests compare padding too
-            offset = self.int4_offset()
-            scratch = unfold_nibbles(values) ^ offset
+            offset = kernels.level_offset(self.fmt)
+            scratch = kernels.unfold_int4(values, self.fmt) ^ offset
             value_layout.zero_padding(scratch)
-            fold_nibbles(scratch ^ offset, values)
-        else:
-            value_layout.zero_padding(values)
+            kernels.fold_int4(scratch ^ offset, values, self.fmt)
+        else:  # level 0's byte (128 for symmetric int8 with int8 activations), as the kernels' packing pads
+            value_layout.zero_padding(values, kernels.level_offset(self.fmt))
         group_layout.zero_padding(scale)
         if zero is not None:
             group_layout.zero_padding(zero)
@@ -456,6 +435,9 @@ def quantized_layout(shape: tuple[int, ...], fmt: QuantFormat, kind: str, dtype:
         raise ValueError(f"quantized weights compute in bfloat16, so {what} cannot be quantized in a {dtype} model.")
     if shape[-1] % fmt.group:
         raise ValueError(f"{what} has {shape[-1]} inputs, not whole quantization groups of {fmt.group}.")
+    if fmt.activations == "int8" and not kernels.built():
+        raise ValueError("int8 activations run on moeshard's CPU kernels only, which do not run here "
+                         "(MOESHARD_CPU_KERNELS=0, no AVX2, or no compiler).")
     return QuantizedPanels(tuple(shape), fmt, kind)
 
 

@@ -29,11 +29,14 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 @dataclass(frozen=True)
 class QuantFormat:
     """How a weight is quantized: `kind`, G = `group` inputs per scale, and zero points or not
-    (int kinds only)."""
+    (int kinds only); `activations` "int8" (int kinds only): its products quantize each row of
+    activations to int8 per group and multiply integers (kernels.PackedQuantized's a8 layout,
+    LLM(quantize_activations=True)), where "bf16" multiplies the dequantized weights exactly."""
 
     kind: Literal["fp8", "int8", "int4"]
     group: int = 128
     zero_point: bool = False
+    activations: Literal["bf16", "int8"] = "bf16"
 
     def __post_init__(self):
         if self.kind not in ("fp8", "int8", "int4"):
@@ -42,6 +45,10 @@ class QuantFormat:
             raise ValueError(f"a quantization group must hold at least one input, got {self.group}.")
         if self.zero_point and self.kind == "fp8":
             raise ValueError("fp8 weights have no zero points.")
+        if self.activations not in ("bf16", "int8"):
+            raise ValueError(f"activations are bf16 or int8, got {self.activations!r}.")
+        if self.activations == "int8" and self.kind == "fp8":
+            raise ValueError("int8 activations (quantize_activations) take int8 or int4 weights, not fp8.")
 
     @property
     def bits(self) -> int:
