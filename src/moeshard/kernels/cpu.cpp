@@ -728,9 +728,11 @@ void a8_tile(const QRows& x, const A8Panels<Q>& w, int64_t j0, vf (&out)[kMaxRow
     const int64_t at = g * kMaxBlocks * kLanes + j0 * kLanes;
     for (int j = 0; j < NB; ++j) {
       const vf weight_scale = load(w.panel_scale + at + j * kLanes, kAll);
-      const vi zero_level = w.panel_zero ? load_zx(w.panel_zero + at + j * kLanes) : iset1(A8<Q>::kZero);
+      const uint8_t* zero_points = w.panel_zero ? w.panel_zero + at + j * kLanes : nullptr;
       for (int i = 0; i < MB; ++i) {
-        const vi exact = isub(S::sums(sum[i][j]), imul(zero_level, iset1(x.total[i * x.groups + g])));
+        const int32_t total = x.total[i * x.groups + g];
+        const vi exact = isub(S::sums(sum[i][j]), zero_points ? imul(load_zx(zero_points), iset1(total))
+                                                              : iset1(A8<Q>::kZero * total));
         const vf scale = mul(weight_scale, set1(x.scale[i * x.groups + g]));
         acc[i][j] = add(acc[i][j], unfused(mul(to_float(exact), scale)));
       }
