@@ -214,6 +214,8 @@ class EngineWeightSync:
             raise ValueError(f"load_format must be {FLATTENED!r}, {PACKED!r} or absent, got {load_format!r}.")
         if load_format == FLATTENED and not metas:
             raise ValueError("a flattened bucket must announce at least one tensor.")
+        if load_format == FLATTENED:
+            flat_dtype(metas)  # refuses a conversion that would lose bits, before anything is sent
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
         self.check_group(group_name)
