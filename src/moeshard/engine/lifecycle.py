@@ -48,7 +48,10 @@ class WeightSchema:
 
     def serving_dtype(self) -> str:
         """What `dtype="auto"` serves: bf16 for a checkpoint stored mostly in bf16 or fp16 (as real
-        MoE checkpoints ship; fp16 is served as bf16, which has its range), else fp32."""
+        MoE checkpoints ship; fp16 is served as bf16, which has its range), or stored quantized (its
+        weights held as stored compute in bf16), else fp32."""
+        if self.stored is not None:
+            return "bfloat16"
         half = sum(math.prod(shape) for shape, dtype in self.tensors.values() if dtype in (torch.bfloat16, torch.float16))
         full = sum(math.prod(shape) for shape, _ in self.tensors.values())
         return "bfloat16" if 2 * half > full else "float32"

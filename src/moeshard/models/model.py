@@ -171,8 +171,8 @@ class CausalLM(nn.Module):
         super().__init__()
         check_layout(cfg, parallel.layout)
         self.cfg, self.arch, self.parallel, self.dtype = cfg, arch, parallel, dtype
-        # A published quantized checkpoint's weights as it stores them (None: any other model).
-        self.stored = quantization if isinstance(quantization, StoredFormats) else None
+        # A published quantized checkpoint's weights as it stores them (load_model sets it; None: any other model).
+        self.stored: StoredFormats | None = None
         alloc = Alloc(dtype, parallel.device, quantization)
         tied = cfg.tie_embeddings
         self.embed = VocabParallelEmbedding(alloc, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel, tied)
@@ -243,13 +243,16 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, quanti
     its linear weights quantized at load with `quantization` (docs/quantization.md)."""
     cfg, arch = load_config(directory)
     parallel = get_parallel_state()
-    ckpt = open_checkpoint(directory)
+    ckpt, stored = open_checkpoint(directory), None
     if isinstance(ckpt, QuantizedSource):  # a published quantized checkpoint: held in its own formats
         if quantization is not None:
             raise CheckpointError(f"{Path(directory).name} is quantized already ({type(ckpt.layout).__name__}); "
                                   f"load it without quantization=.")
-        quantization = StoredFormats(ckpt)
+        stored = StoredFormats(ckpt)
+        # In fp32 its weights are read dequantized, exact (verify hf's fp32 proof); else held as stored.
+        quantization = None if dtype == torch.float32 else stored
     model, error = CausalLM(cfg, arch, parallel, dtype, stored=ckpt, quantization=quantization), None
+    model.stored = stored
     try:
         load_weights(model, ckpt)
     except CheckpointError as exc:
