@@ -230,3 +230,21 @@ def test_updates_to_a_published_quantized_checkpoint_in_its_own_tensors_or_in_bf
         assert answers(llm) == expected
         llm.update_weights_from_disk(dirs[0])
         assert answers(llm) == start and llm.state_digest() == digest
+
+
+def test_a_tied_lm_head_is_quantized_as_a_copy_of_the_embedding_unless_skipped(tmp_path):
+    """With quantization set, a tied model's LM head is the embedding's table quantized (a derived
+    copy; the table stays bf16 for lookups, kernels.packed.QuantizedPanels read back as `dequantize`
+    reads it); `quantization_skip=["lm_head"]` leaves the head the table itself."""
+    from moeshard.models.model import load_model
+    from moeshard.parallel import set_layout
+
+    set_layout(Layout())
+    directory = make_tiny_checkpoint("qwen3_moe_tied", tmp_path)
+    fmt = QuantFormat("int4", 16)
+    model = load_model(directory, torch.bfloat16, packed.Quantization(fmt))
+    head, table = model.lm_head, packed.logical(model.embed.weight_VD)
+    assert head is model.embed and table.dtype == torch.bfloat16
+    assert torch.equal(head.head_layout.read(head.head_VD), dequantize(quantize(table, fmt)))
+    skipped = load_model(directory, torch.bfloat16, packed.Quantization(fmt, ("lm_head",))).lm_head
+    assert skipped.head_layout is skipped.layout and not hasattr(skipped, "head_VD")
