@@ -360,3 +360,11 @@ def test_verify_hf_passes_every_layout_on_every_architecture(tiny, tmp_path):
     finally:
         ranks.close()
         torch.set_num_threads(threads)
+
+
+def test_an_updates_tensors_go_to_their_parts_under_the_names_a_quantized_checkpoint_stores():
+    from moeshard.models.model import part_of
+
+    assert [part_of(n) for n in ("lm_head.qweight", "lm_head.weight_scale_inv", "model.norm.weight",
+                                 "model.layers.3.mlp.experts.0.up_proj.qzeros", "model.embed_tokens.weight")] == \
+        ["lm_head", "lm_head", "norm", 3, "embed"]

@@ -161,8 +161,8 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         it under the new weights before their next token.
         `quantization`: "fp8", "int8" or "int4": every linear weight a decode step reads (the LM
         head too; a tied one as a quantized copy of the embedding) quantized at load, in groups of
-        `quantization_group` inputs, and held quantized; `quantization_skip`: module names or patterns kept as they are
-        (docs/quantization.md). Computes in bfloat16."""
+        `quantization_group` inputs, and held quantized; `quantization_skip`: module names or
+        patterns kept as they are (docs/quantization.md). Computes in bfloat16."""
         directory = Path(model) if model is not None else MODEL_DIR
         Inputs.__init__(self, directory, max_model_len, max_num_seqs, num_kv_blocks, block_size)
         cfg = self.config
