@@ -160,9 +160,9 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         unless a request says otherwise (SamplingParams.kv_after_update): "keep" it, or "recompute"
         it under the new weights before their next token.
         `quantization`: "fp8", "int8" or "int4": every linear weight a decode step reads (the LM
-        head too; a tied one as a quantized copy of the embedding) quantized at load, in groups of
-        `quantization_group` inputs, and held quantized; `quantization_skip`: module names or
-        patterns kept as they are (docs/quantization.md). Computes in bfloat16."""
+        head too, unless tied to the embedding) quantized at load, in groups of `quantization_group`
+        inputs, and held quantized; `quantization_skip`: module names or patterns kept as they are
+        (docs/quantization.md). Computes in bfloat16."""
         directory = Path(model) if model is not None else MODEL_DIR
         Inputs.__init__(self, directory, max_model_len, max_num_seqs, num_kv_blocks, block_size)
         cfg = self.config
