@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from moeshard import LLM, SamplingParams, kernels
 from moeshard.bundled.arithmetic import MODEL_DIR, held_out
 from moeshard.kernels import packed
+from moeshard.runtime import derived
 
 # 7 problems cut short (1–7 tokens) among 48 whole ones: steps pad their shorter sequences' keys.
 PROMPTS = [p.prompt[:k] for k, p in enumerate(held_out(55)[48:], start=1)] + [p.prompt for p in held_out(48)]
@@ -196,14 +197,14 @@ def mixed_ids(llm) -> list[list[int]]:
     return [o.token_ids for batch in (repeated, prompts, repeated) for o in llm.generate(batch, MIXED_GREEDY)]
 
 
-def two_checkpoints(root, dtype: str, **options):
+def two_checkpoints(root, dtype: str, variant: str = "qwen3_moe", **options):
     """Two random Qwen3-MoE checkpoints (the start, the update), each with a fresh one-rank engine's
     output in `dtype` (with LLM `options`)."""
     from moeshard.verify.tiny import make_tiny_checkpoint
 
     out = []
     for seed in (0, 1):
-        directory = str(make_tiny_checkpoint("qwen3_moe", root / f"seed{seed}", seed=seed, max_position_embeddings=512))
+        directory = str(make_tiny_checkpoint(variant, root / f"seed{seed}", seed=seed, max_position_embeddings=512))
         with LLM(directory, dtype=dtype, **MIXED_ENGINE, **options) as fresh:
             out.append((directory, mixed_ids(fresh)))
             assert fresh.stats().preemptions > 0
@@ -306,20 +307,31 @@ QUANTIZED = dict(quantization="int4", quantization_group=16)
 
 @pytest.mark.skipif(not kernels.built(), reason="no moeshard CPU kernels here")
 def test_quantized_weights_through_poisoned_cycles_equal_a_fresh_engine(tmp_path, monkeypatch):
-    """int4 quantized at load: bf16 updates are quantized as they are written, and poisoned sleep,
-    wake, update and reload cycles give a fresh quantized engine's answers, every byte of the
-    quantized panels (padding too) as at start-up. Negative control: with the padding of quantized
-    panels not zeroed on a load, a poisoned wake leaves its garbage, and the digests differ."""
-    long_context = two_checkpoints(tmp_path, "bfloat16", **QUANTIZED)
+    """int4 quantized at load, on a model with a tied LM head (the embedding stays bf16 for lookups,
+    the head is its quantized copy: a derived tensor): bf16 updates are quantized as they are
+    written, and poisoned sleep, wake, update and reload cycles give a fresh quantized engine's
+    answers, every byte of the quantized panels (padding too) and of the head's copy as at start-up.
+    Negative controls: with the padding of quantized panels not zeroed on a load, a poisoned wake
+    leaves its garbage, and the digests differ; with the head's copy not registered, it is never
+    made from the loaded weights, and the answers differ from the first."""
+    long_context = two_checkpoints(tmp_path, "bfloat16", "qwen3_moe_tied", **QUANTIZED)
+    probe = [[3, 14, 15, 92, 65], [35, 89, 79]]
     with LLM(long_context[0][0], dtype="bfloat16", **MIXED_ENGINE, **QUANTIZED) as llm:
-        start = llm.state_digest()
+        start, answers = llm.state_digest(), llm.generate(probe, MIXED_GREEDY)
         assert mixed_cycles(llm, long_context) == [True] * 6
         assert llm.state_digest() == start
-    monkeypatch.setattr(packed.QuantizedPanels, "zero_padding", lambda self, storage: None)
+    with monkeypatch.context() as unsafe:
+        unsafe.setattr(packed.QuantizedPanels, "zero_padding", lambda self, storage: None)
+        with LLM(long_context[0][0], dtype="bfloat16", **MIXED_ENGINE, **QUANTIZED) as llm:
+            start = llm.state_digest()
+            mixed_cycles(llm, long_context)
+            assert llm.state_digest() != start
+    register = derived.register
+    unregistered = lambda owner, attr, compute, in_place=False: (  # noqa: E731
+        setattr(owner, attr, compute()) if attr == "head_VD" else register(owner, attr, compute, in_place))
+    monkeypatch.setattr(derived, "register", unregistered)
     with LLM(long_context[0][0], dtype="bfloat16", **MIXED_ENGINE, **QUANTIZED) as llm:
-        start = llm.state_digest()
-        mixed_cycles(llm, long_context)
-        assert llm.state_digest() != start
+        assert [o.token_ids for o in llm.generate(probe, MIXED_GREEDY)] != [o.token_ids for o in answers]
 
 
 def check_mixed_cycles(long_context, layout, methods, compile, dtype):

@@ -6,7 +6,7 @@ writes."""
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from moeshard.kernels.quant import dequantize
 from moeshard.models.checkpoint import CheckpointError, TensorDict
@@ -19,6 +19,9 @@ from moeshard.models.quantized_checkpoint import (
     layout_of,
     open_checkpoint,
 )
+from moeshard.parallel import Layout
+from moeshard.parallel.launch import open_layout
+from moeshard.verify import hf
 from moeshard.verify.quantized import GROUP, TINY_LAYOUTS, write_quantized
 from moeshard.verify.tiny import make_tiny_checkpoint
 
@@ -302,3 +305,66 @@ def test_bad_blocks_and_inconsistent_tensors_are_refused(tiny, tmp_path):
     listed = Gptq((module,), 4, GROUP, symmetric=True, v1=True)
     with pytest.raises(CheckpointError, match="lists it as not quantized"):
         QuantizedSource(TensorDict(stored), listed).quantized(name)
+
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral_top2", "deepseek_v3")
+# bf16 (the quantized kernels), teacher-forced: one layout per architecture, besides test_quantized_weights'
+# DP 2 × EP runs (DeepSeek-V3 fp8, Mixtral ct-int4-asym)
+BF16_CASES = {("gptq-int8", "qwen3_moe"), ("awq-int4", "qwen2_moe"), ("ct-int8-asym", "mixtral_top2"),
+              ("gptq-int4-asym", "deepseek_v3")}
+
+
+def test_verify_hf_passes_every_layout_on_every_architecture(tiny, tmp_path):
+    """`moeshard verify hf --model Q --reference R` (1x1, fp32) on each published layout of each
+    architecture: moeshard reads the quantized weights dequantized into fp32 ones and must be within
+    verify hf's fp32 tolerance (max |Δlogit| ≤ 1e-3, every greedy token the same) of transformers on
+    the dequantized reference; in bf16 (`--dtype bfloat16`, the quantized kernels) one layout per
+    architecture passes verify hf's bf16 test (3 positions in 4 within 2^-4 of the largest logit,
+    transformers teacher-forced). Negative control: one FP8 block's scale doubled fails. (One rank
+    process for every run; one thread each: tiny models run faster so, on a loaded machine much faster.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ranks = open_layout(Layout())
+    try:
+        def verify(directory, reference, dtype="float32"):
+            lengths = (7, 3) if dtype == "float32" else None
+            request = hf.Request(str(directory), Layout(), prompt_lengths=lengths, steps=4, dtype=dtype,
+                                 reference=str(reference))
+            return hf.verify_hf(request, ranks)
+
+        rows = []
+        for arch in ARCHS:
+            for layout_name in TINY_LAYOUTS:
+                shipped, reference = tmp_path / f"{layout_name}-{arch}", tmp_path / f"{layout_name}-{arch}-reference"
+                write_quantized(tiny(arch), shipped, layout_name, reference)
+                comparison = verify(shipped, reference)
+                rows.append((layout_name, arch, max(r.max_abs_diff for r in comparison.steps), comparison.passed))
+                if (layout_name, arch) in BF16_CASES:
+                    bf16 = verify(shipped, reference, "bfloat16")
+                    within = sum(r.within for r in bf16.steps) / sum(r.positions for r in bf16.steps)
+                    print(f"bf16 {layout_name} {arch}: {within:.2f} of positions within {bf16.tolerance:.3g}")
+                    assert bf16.passed, (layout_name, arch)
+        print(f"\n| layout | {' | '.join(ARCHS)} |\n|---|{'---|' * len(ARCHS)}")
+        for layout_name in TINY_LAYOUTS:
+            cells = [f"{d:.1e}" + ("" if ok else " FAIL") for name, _, d, ok in rows if name == layout_name]
+            print(f"| {layout_name} | {' | '.join(cells)} |")
+        assert all(ok for *_, ok in rows), [row for row in rows if not row[-1]]
+
+        shipped = tmp_path / "fp8-qwen3_moe"
+        tensors = load_file(str(shipped / "model.safetensors"))
+        tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"][0, 0] *= 2
+        save_file(tensors, str(shipped / "model.safetensors"), {"format": "pt"})
+        broken = verify(shipped, tmp_path / "fp8-qwen3_moe-reference")
+        print(f"one FP8 block's scale doubled: max |Δlogit| {max(r.max_abs_diff for r in broken.steps):.1e}")
+        assert not broken.passed
+    finally:
+        ranks.close()
+        torch.set_num_threads(threads)
+
+
+def test_an_updates_tensors_go_to_their_parts_under_the_names_a_quantized_checkpoint_stores():
+    from moeshard.models.model import part_of
+
+    assert [part_of(n) for n in ("lm_head.qweight", "lm_head.weight_scale_inv", "model.norm.weight",
+                                 "model.layers.3.mlp.experts.0.up_proj.qzeros", "model.embed_tokens.weight")] == \
+        ["lm_head", "lm_head", "norm", 3, "embed"]

@@ -200,3 +200,71 @@ def test_verify_hf_passes_a_published_checkpoint_on_dp2_ep_against_transformers_
     assert hf.verify_hf(request).passed
     with pytest.raises(ValueError, match="give the checkpoint of its dequantized weights"):
         hf.verify_hf(replace(request, reference=None))
+
+
+def in_bf16(directory):
+    """The checkpoint rewritten in bf16 (what a trainer sends), in place; its tensors."""
+    weights = {n: t.bfloat16() for n, t in load_file(directory / "model.safetensors").items()}
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return weights
+
+
+def answers(llm):
+    outputs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
+    return [(o.token_ids, o.logprobs) for o in outputs]
+
+
+UPDATED = ["fp8", "ct-int4-asym", "gptq-int4", "awq-int4"]
+
+
+@pytest.mark.parametrize("layout", UPDATED)
+def test_updates_to_a_published_quantized_checkpoint_in_its_own_tensors_or_in_bf16(tmp_path, layout):
+    """An engine serving a published quantized checkpoint takes updates in bf16 under the plain
+    names, quantized as the checkpoint stores them (in two buckets, as a trainer sends them), and in
+    the checkpoint's own tensors (from disk): each gives, bit for bit, a fresh engine's answers on
+    the checkpoint written from those weights. A quantized weight's stored tensors split over two
+    calls, or a scale of the wrong shape, are refused with nothing written (the digest unchanged)."""
+    dirs, bf16 = {}, {}
+    for seed in (0, 1):
+        source = make_tiny_checkpoint("qwen3_moe", tmp_path / f"source{seed}", seed=seed)
+        bf16[seed] = in_bf16(source)
+        write_quantized(source, tmp_path / f"shipped{seed}", layout, tmp_path / f"reference{seed}")
+        dirs[seed] = str(tmp_path / f"shipped{seed}")
+    with LLM(dirs[1], dtype="bfloat16") as fresh:
+        expected = answers(fresh)
+    with LLM(dirs[0], dtype="bfloat16") as llm:
+        start, digest, stored = answers(llm), llm.state_digest(), llm.schema.stored
+        assert start != expected
+        tensors = load_file(tmp_path / "shipped1" / "model.safetensors")
+        module = "model.layers.0.self_attn.q_proj"
+        values, scale = module + stored.layout.marker, module + stored.layout.scale
+        with pytest.raises(ValueError, match="comes without .*in one call"):
+            llm.update_weights([(values, tensors[values])], complete=False)
+        wrong = torch.zeros(tensors[scale].shape[0] + 1, *tensors[scale].shape[1:], dtype=tensors[scale].dtype)
+        with pytest.raises(ValueError, match=f"{scale}.*has shape"):
+            llm.update_weights([(n, wrong if n == scale else tensors[n]) for n in stored.names[module]], complete=False)
+        assert llm.state_digest() == digest
+        names = list(bf16[1])
+        llm.update_weights([(n, bf16[1][n]) for n in names[: len(names) // 2]], complete=False)
+        llm.update_weights([(n, bf16[1][n]) for n in names[len(names) // 2 :]], complete=False)
+        assert answers(llm) == expected
+        llm.update_weights_from_disk(dirs[0])
+        assert answers(llm) == start and llm.state_digest() == digest
+
+
+def test_a_tied_lm_head_is_quantized_as_a_copy_of_the_embedding_unless_skipped(tmp_path):
+    """With quantization set, a tied model's LM head is the embedding's table quantized (a derived
+    copy; the table stays bf16 for lookups, kernels.packed.QuantizedPanels read back as `dequantize`
+    reads it); `quantization_skip=["lm_head"]` leaves the head the table itself."""
+    from moeshard.models.model import load_model
+    from moeshard.parallel import set_layout
+
+    set_layout(Layout())
+    directory = make_tiny_checkpoint("qwen3_moe_tied", tmp_path)
+    fmt = QuantFormat("int4", 16)
+    model = load_model(directory, torch.bfloat16, packed.Quantization(fmt))
+    head, table = model.lm_head, packed.logical(model.embed.weight_VD)
+    assert head is model.embed and table.dtype == torch.bfloat16
+    assert torch.equal(head.head_layout.read(head.head_VD), dequantize(quantize(table, fmt)))
+    skipped = load_model(directory, torch.bfloat16, packed.Quantization(fmt, ("lm_head",))).lm_head
+    assert skipped.head_layout is skipped.layout and not hasattr(skipped, "head_VD")

@@ -153,7 +153,7 @@ def test_flattened_bucket_payloads_hold_each_dtype_and_refuse_bad_listings():
 
     assert read_payload(listing(dtype="float32"), "flattened_bucket")[0][1].dtype == torch.float32  # converted, as SGLang
     for bad, message in [(listing(end_idx=5), "spans 5 elements"), (listing(start_idx=3, end_idx=9), "outside"),
-                         (listing(dtype="int8"), "not one of"), (listing(shape="23"), "non-negative integers"),
+                         (listing(dtype="int8"), "only floats survive"), (listing(dtype="int4"), "not one of"), (listing(shape="23"), "non-negative integers"),
                          (save({"flat": torch.zeros(6)}), "no listing"), (save({"flat": torch.zeros(2, 3)}), "1-D"),
                          (b"not safetensors", "not a safetensors file")]:
         with pytest.raises(ValueError, match=message):
@@ -177,9 +177,41 @@ def test_announced_updates_are_checked_before_anything_is_received():
     with pytest.raises(ValueError, match="one length"):
         TensorMeta.parse(["a"], ["float32", "float32"], [[1]])
     with pytest.raises(ValueError, match="not one of"):
-        TensorMeta.parse(["a"], ["int8"], [[1]])
+        TensorMeta.parse(["a"], ["int4"], [[1]])
     with LLM() as llm:
         with pytest.raises(ValueError, match="cannot join as ranks"):
             llm.init_weights_update_group("127.0.0.1", free_port(), 1, 1)
         with pytest.raises(ValueError, match="backend nccl"):
             llm.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="nccl")
+
+
+def test_a_trainer_updates_a_published_fp8_checkpoint_in_bf16_and_in_its_stored_tensors(tmp_path):
+    """An engine on a published block-FP8 checkpoint, two EP ranks: the trainer broadcasts bf16
+    weights under the plain names (one module in the checkpoint's own fp8 tensors instead), packed, each
+    rank quantizes them as the checkpoint stores them; the answers are a fresh engine's on the FP8
+    checkpoint written from those bf16 weights."""
+    from moeshard.verify.quantized import write_quantized
+    from moeshard.verify.tiny import make_tiny_checkpoint
+
+    for seed in (0, 1):
+        source = make_tiny_checkpoint("qwen3_moe", tmp_path / f"source{seed}", seed=seed)
+        bf16 = {n: t.bfloat16() for n, t in load_file(source / "model.safetensors").items()}
+        (source / "model.safetensors").write_bytes(save(bf16, {"format": "pt"}))  # the trainer's weights: bf16
+        write_quantized(source, tmp_path / f"fp8_{seed}", "fp8", tmp_path / f"reference{seed}")
+    prompts, greedy = [[3, 14, 15, 92, 65], [35, 89, 79]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tmp_path / "fp8_1"), dtype="bfloat16") as fresh:
+        expected = [o.token_ids for o in fresh.generate(prompts, greedy)]
+    stored = load_file(tmp_path / "fp8_1" / "model.safetensors")
+    module = "model.layers.1.self_attn.o_proj"
+    weights = {n: t for n, t in bf16.items() if n != f"{module}.weight"} | {
+        n: stored[n] for n in (f"{module}.weight", f"{module}.weight_scale_inv")}
+    with LLM(str(tmp_path / "fp8_0"), dtype="bfloat16", data_parallel_size=2, enable_expert_parallel=True) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] != expected
+        group, name = joined_engine(llm)
+        # vLLM's packed broadcast: gloo cannot broadcast float8 tensors, their bytes it can
+        thread = sending(group, [torch.cat([t.contiguous().view(torch.uint8).view(-1) for t in weights.values()])])
+        llm.update_weights_from_distributed(*meta(weights), name, "packed")
+        thread.join()
+        got = [o.token_ids for o in llm.generate(prompts, greedy)]
+        llm.destroy_weights_update_group(name)
+    assert got == expected

@@ -19,7 +19,7 @@ from moeshard.engine.core import INITIAL_VERSION
 from moeshard.engine.payloads import FLATTENED, SharedPayload, read_payload
 from moeshard.models.checkpoint import Checkpoint, TensorDict
 from moeshard.models.model import part_of, unused_by_design
-from moeshard.models.quantized_checkpoint import open_checkpoint
+from moeshard.models.quantized_checkpoint import PLAIN_DTYPES, QuantizedSource, StoredFormats, open_checkpoint
 from moeshard.runtime import derived, memory
 
 TAGS = ("weights", "kv_cache")
@@ -31,29 +31,47 @@ UPDATE_IN_FLIGHT = (
 
 @dataclass(frozen=True)
 class WeightSchema:
-    """The weights a complete update must carry: checkpoint name → (full shape, dtype)."""
+    """The weights a complete update must carry: checkpoint name → (full shape, dtype); for a
+    published quantized checkpoint, `stored` (its quantized weights: given as stored, or plainly in
+    bf16 to be quantized as stored, moeshard.models.quantized_checkpoint.StoredFormats)."""
 
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    stored: StoredFormats | None = None
 
     @classmethod
     def of(cls, directory: Path, cfg) -> "WeightSchema":
-        ckpt = Checkpoint(directory)
-        names = [n for n in ckpt.handles if not unused_by_design(n, cfg)]
-        return cls({n: (ckpt.shape(n), ckpt.stored_dtype(n)) for n in names})
+        source = open_checkpoint(directory)
+        quantized = isinstance(source, QuantizedSource)
+        ckpt = source.stored if quantized else source
+        names = [n for n in ckpt.names() if not unused_by_design(n, cfg)]
+        return cls({n: (ckpt.shape(n), ckpt.stored_dtype(n)) for n in names}, StoredFormats(source) if quantized else None)
 
     def serving_dtype(self) -> str:
         """What `dtype="auto"` serves: bf16 for a checkpoint stored mostly in bf16 or fp16 (as real
-        MoE checkpoints ship; fp16 is served as bf16, which has its range), else fp32."""
+        MoE checkpoints ship; fp16 is served as bf16, which has its range), or stored quantized (its
+        weights held as stored compute in bf16), else fp32."""
+        if self.stored is not None:
+            return "bfloat16"
         half = sum(math.prod(shape) for shape, dtype in self.tensors.values() if dtype in (torch.bfloat16, torch.float16))
         full = sum(math.prod(shape) for shape, _ in self.tensors.values())
         return "bfloat16" if 2 * half > full else "float32"
 
     def check_one(self, name: str, tensor) -> None:
-        if name not in self.tensors:
+        plain = self.stored is not None and self.stored.plain(name) is not None
+        if name not in self.tensors and not plain:
             raise ValueError(f"update tensor {name!r} is not a weight of this model; nothing was written.")
-        shape, dtype = self.tensors[name]
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"update entry {name!r} is a {type(tensor).__name__}, not a tensor.")
+        if plain and (name not in self.tensors or tensor.dtype in PLAIN_DTYPES):
+            # a weight the checkpoint stores quantized, given plainly (FP8's X.weight: in bf16, not fp8)
+            shape, dtype = self.stored.shapes[self.stored.plain(name)], tensor.dtype
+            if dtype not in PLAIN_DTYPES:
+                raise ValueError(
+                    f"update tensor {name!r} is {dtype}; the checkpoint stores it quantized, so it takes bf16, fp16 or "
+                    "fp32 weights (quantized as stored) or the tensors the checkpoint stores; nothing was written."
+                )
+        else:
+            shape, dtype = self.tensors[name]
         if tuple(tensor.shape) != shape:
             raise ValueError(
                 f"update tensor {name!r} has shape {list(tensor.shape)}; the model's is {list(shape)}; "
@@ -61,6 +79,13 @@ class WeightSchema:
             )
         if tensor.dtype != dtype:
             raise ValueError(f"update tensor {name!r} is {tensor.dtype}; the model's is {dtype}; nothing was written.")
+
+    def check_quantized(self, named: list[tuple[str, torch.dtype]]) -> set[str]:
+        """Each weight stored quantized given whole (StoredFormats.check_whole); the names of the
+        stored tensors that the plain weights among `named` stand for."""
+        if self.stored is None:
+            return set()
+        return {n for module in self.stored.check_whole(named) for n in self.stored.names[module]}
 
     def check_announced(self, metas) -> None:
         """`check` for tensors announced by name, dtype and shape (a broadcast still to come): any
@@ -71,10 +96,13 @@ class WeightSchema:
             if meta.name in seen:
                 raise ValueError(f"update tensor {meta.name!r} appears twice; nothing was written.")
             seen.add(meta.name)
+        self.check_quantized([(meta.name, meta.dtype) for meta in metas])
 
     def check(self, named_tensors, complete: bool = True) -> dict[str | int, dict[str, torch.Tensor]]:
         """The update grouped by model part, or a ValueError naming the first offending tensor.
-        `complete`: it must carry every weight (else the weights it does not name keep their values)."""
+        `complete`: it must carry every weight (else the weights it does not name keep their values).
+        Weights a published quantized checkpoint stores in its stored form are read once whole here,
+        so that what a load would refuse is refused before anything is written."""
         buckets: dict[str | int, dict[str, torch.Tensor]] = {}
         stream, count = iter(named_tensors), 0
         while True:
@@ -90,13 +118,27 @@ class WeightSchema:
             if name in part:
                 raise ValueError(f"update tensor {name!r} appears twice; nothing was written.")
             part[name] = tensor
-        missing = [n for n in self.tensors if n not in buckets.get(part_of(n), {})]
+        given = [(n, t.dtype) for part in buckets.values() for n, t in part.items()]
+        covered = {n for n, _ in given} | self.check_quantized(given)
+        missing = [n for n in self.tensors if n not in covered]
         if missing and complete:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise ValueError(
                 f"the update ended without {missing[0]!r}{more}: an update carries every weight; nothing was written."
             )
+        if self.stored is not None:
+            for tensors in buckets.values():
+                as_stored = {self.stored.module_of(n) for n, t in tensors.items() if not self.stored.is_plain(n, t.dtype)}
+                self.stored.validate(TensorDict(tensors), as_stored - {None})
         return buckets
+
+    def takes(self, name: str) -> bool:
+        """`name` is a weight an update may give (a tensor the checkpoint stores, or a plain weight it stores quantized)."""
+        return name in self.tensors or (self.stored is not None and self.stored.plain(name) is not None)
+
+    def as_stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checked part as the ranks write it: plain weights the checkpoint stores quantized, quantized as stored."""
+        return tensors if self.stored is None else self.stored.as_stored(tensors)
 
 
 class EngineLifecycle:
@@ -181,7 +223,7 @@ class EngineLifecycle:
         self.quiesce(abort_running, UPDATE_IN_FLIGHT, parked_may_stay=True)
         self.core.weights_changed()
         for part, tensors in parts.items():
-            self.ranks.call("update_part", part, self.for_ranks(tensors), complete)
+            self.ranks.call("update_part", part, self.for_ranks(self.schema.as_stored(tensors)), complete)
         return self.weights_written(weight_version)
 
     def for_ranks(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -218,7 +260,7 @@ class EngineLifecycle:
         if not Path(directory).is_dir():
             raise ValueError(f"{directory} is not a directory.")
         ckpt = Checkpoint(directory)
-        named = ((name, ckpt.block(name, ())) for name in ckpt.handles if name in self.schema.tensors)
+        named = ((name, ckpt.block(name, ())) for name in ckpt.names() if self.schema.takes(name))
         return self.update_weights(named, weight_version, abort_running)
 
     def update_weights_from_tensor(
@@ -351,7 +393,8 @@ class RankLifecycle:
     def update_part(self, part: str | int, tensors: dict[str, torch.Tensor], complete: bool = True) -> None:
         """Write one part's new full tensors into the parameters (the driver checked them); with
         `complete=False` the part's tensors not among them keep their values."""
-        self.runner.model.load_part(TensorDict(tensors, partial=not complete), part)
+        model = self.runner.model
+        model.load_part(model.reads(TensorDict(tensors, partial=not complete)), part)
 
     def rebuild_derived(self) -> int:
         return derived.rebuild(self.runner.model.derived_owners())

@@ -32,7 +32,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# and the dtypes a published quantized checkpoint stores its weights in (models/quantized_checkpoint.py)
+STORED = (torch.float8_e4m3fn, torch.int8, torch.uint8, torch.int32, torch.int64)
+DTYPES = {str(t).removeprefix("torch."): t for t in FLOATS + STORED}
 FLATTENED = "flattened_bucket"
 # vLLM's packed broadcast (vllm/distributed/weight_transfer/packed_tensor.py): each tensor's bytes, in
 # the announced order, appended to a uint8 buffer until it holds more than the buffer size (1 GiB by
@@ -93,11 +96,21 @@ def unpack(buffer_B: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, t
 
 
 def flat_dtype(metas: list[TensorMeta]) -> torch.dtype:
-    """The dtype of SGLang's flat buffer for these tensors: torch.cat's, which promotes."""
+    """The dtype of SGLang's flat buffer for these tensors: torch.cat's, which promotes (floats only:
+    a quantized checkpoint's stored tensors may share a buffer only with their own dtype)."""
     dtype = metas[0].dtype
     for meta in metas[1:]:
+        check_conversion(meta, dtype)
         dtype = torch.promote_types(dtype, meta.dtype)
     return dtype
+
+
+def check_conversion(meta: TensorMeta, dtype: torch.dtype) -> None:
+    if meta.dtype != dtype and not (meta.dtype in FLOATS and dtype in FLOATS):
+        raise ValueError(
+            f"{meta.name!r} is {meta.dtype} and its flat buffer {dtype}: a flat buffer converts its tensors, which "
+            "only floats survive; send stored quantized tensors in a buffer of their own dtype or one by one."
+        )
 
 
 def unflatten(flat: torch.Tensor, metas: list[TensorMeta], starts: list[int]) -> list[tuple[str, torch.Tensor]]:
@@ -106,6 +119,7 @@ def unflatten(flat: torch.Tensor, metas: list[TensorMeta], starts: list[int]) ->
     for meta, start in zip(metas, starts):
         if not 0 <= start <= start + meta.numel <= flat.numel():
             raise ValueError(f"{meta.name!r} lies outside its flat buffer of {flat.numel()} elements.")
+        check_conversion(meta, flat.dtype)
         out.append((meta.name, flat[start:start + meta.numel].view(meta.shape).to(meta.dtype)))
     return out
 

@@ -108,12 +108,17 @@ class WeightsGroup:
 class ShardBuffer(TensorSource):
     """An update's tensors as one rank holds them: only the blocks its parameters read (see
     moeshard.models.loader), copied out of each full tensor as it arrives. Read like a checkpoint
-    that may name only some tensors: a parameter reads the blocks it finds here and keeps the rest."""
+    that may name only some tensors: a parameter reads the blocks it finds here and keeps the rest.
+    A weight a published quantized checkpoint stores quantized is kept whole in its stored form
+    (quantized here if it came plain): its blocks are read through the layout, not by row."""
 
     partial = True
 
     def __init__(self, model):
         super().__init__("the update")
+        self.stored = model.stored
+        self.whole: dict[str, torch.Tensor] = {}
+        self.given_stored: set[str] = set()  # modules whose stored tensors came as they are (checked before writing)
         self.wanted: dict[str, list[tuple]] = {}  # name → this rank's block indexes (slices: compared, not hashed)
         for part in model.parts():
             for module in model.part(part).modules():
@@ -126,16 +131,28 @@ class ShardBuffer(TensorSource):
         self.blocks: dict[str, list[tuple[tuple, torch.Tensor]]] = {}
 
     def keep(self, name: str, tensor: torch.Tensor) -> None:
+        module = None if self.stored is None else self.stored.module_of(name)
+        if module is not None:
+            if not self.stored.is_plain(name, tensor.dtype):
+                self.given_stored.add(module)
+            for n, t in self.stored.as_stored({name: tensor}).items():
+                self.shapes[n], self.whole[n] = tuple(t.shape), t
+            return
         self.shapes[name] = tuple(tensor.shape)
         self.blocks[name] = [(index, tensor[index].clone() if index else tensor) for index in self.wanted.get(name, ())]
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
 
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
     def block(self, name: str, index: tuple) -> torch.Tensor:
+        if name in self.whole:
+            return self.whole[name][index] if index else self.whole[name]
         return next(t for i, t in self.blocks[name] if i == index)
 
 
@@ -197,6 +214,8 @@ class EngineWeightSync:
             raise ValueError(f"load_format must be {FLATTENED!r}, {PACKED!r} or absent, got {load_format!r}.")
         if load_format == FLATTENED and not metas:
             raise ValueError("a flattened bucket must announce at least one tensor.")
+        if load_format == FLATTENED:
+            flat_dtype(metas)  # refuses a conversion that would lose bits, before anything is sent
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
         self.check_group(group_name)
@@ -260,8 +279,11 @@ class RankWeightSync:
         self.received = buffer
 
     def write_received(self) -> None:
-        load_weights(self.runner.model, self.received)
+        model, received = self.runner.model, self.received
         self.received = None
+        if model.stored is not None:  # every rank received the same, so every rank refuses alike, before writing
+            model.stored.validate(received, received.given_stored)
+        load_weights(model, model.reads(received))
 
     def drop_received(self) -> None:
         self.received = None

@@ -81,6 +81,10 @@ class TensorSource:
     def __contains__(self, name: str) -> bool:
         raise NotImplementedError
 
+    def names(self) -> list[str]:
+        """Every tensor's name."""
+        raise NotImplementedError
+
     def skips(self, name: str) -> bool:
         """A partial source that does not name `name`: its blocks keep their values."""
         return self.partial and name not in self
@@ -118,6 +122,9 @@ class TensorDict(TensorSource):
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
@@ -181,6 +188,9 @@ class Checkpoint(TensorSource):
 
     def __contains__(self, name: str) -> bool:
         return name in self.handles
+
+    def names(self) -> list[str]:
+        return list(self.handles)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[name].get_slice(name).get_shape())

@@ -152,10 +152,20 @@ class VocabParallelEmbedding(nn.Module):
         real = max(0, min(self.rows, vocab - self.start))
         mine = Block(name, (vocab, hidden), (slice(self.start, self.start + real),), (slice(0, real),))
         shape = (self.rows, hidden)
-        # A tied head shares the embedding's table: it stays in the model's dtype (docs/quantization.md).
-        fmt = alloc.quantized("lm_head") if name == "lm_head.weight" else None
-        self.layout = packed.for_linear(shape, alloc.dtype, alloc.device, "the LM head", fmt) if head else packed.Plain(shape)
+        fmt = alloc.quantized("lm_head") if head else None
+        tied = head and name != "lm_head.weight"
+        # A tied head shares the embedding's table, which lookups read in the model's dtype: quantized,
+        # the head is a copy of it (derived, below).
+        self.layout = packed.for_linear(shape, alloc.dtype, alloc.device, "the LM head", None if tied else fmt) \
+            if head else packed.Plain(shape)
         self.weight_VD = alloc(shape, mine, padding=(slice(real, None),), layout=self.layout)
+        self.head_layout = self.layout
+        if tied and fmt is not None:
+            self.head_layout = packed.quantized_layout(shape, fmt, "linear", alloc.dtype, "the LM head")
+            self.weight_VD.data.zero_()  # the copy made now, before loading, quantizes zeros (not garbage)
+            self.register_buffer("head_VD", None, persistent=False)
+            derived.register(self, "head_VD", functools.partial(quantized_copy, self.weight_VD, self.head_layout),
+                             in_place=True)
         self.comm = TPComm(parallel)
 
     def forward(self, ids_T: torch.Tensor) -> torch.Tensor:
@@ -171,10 +181,20 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
         """[N, D] (every row, not an SP slice) → [N, vocab]: each rank's block of columns, gathered."""
         # On the kernels, logits come out of the fp32 accumulator, never rounded to bf16.
-        logits_NV = self.layout.linear(x_ND, self.weight_VD, fp32_out=True)
+        weight = self.weight_VD if self.head_layout is self.layout else self.head_VD
+        logits_NV = self.head_layout.linear(x_ND, weight, fp32_out=True)
         if self.comm.tp > 1:
             logits_NV = ops.tp_all_gather(logits_NV.T.contiguous()).T
         return logits_NV[:, : self.vocab]
+
+
+def quantized_copy(table: nn.Parameter, layout: packed.QuantizedPanels, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`table`'s weight (as its layout holds it now) quantized into `layout`'s storage (`out`, or a
+    new one): a tied LM head's quantized copy. The scratch is one bf16 read of the table."""
+    out = torch.empty(layout.storage_shape(), dtype=torch.uint8, device=table.device) if out is None else out
+    layout.zero_padding(out)
+    layout.write(out, (), packed.logical(table))
+    return out
 
 
 def swiglu_blocks(

@@ -171,6 +171,8 @@ class CausalLM(nn.Module):
         super().__init__()
         check_layout(cfg, parallel.layout)
         self.cfg, self.arch, self.parallel, self.dtype = cfg, arch, parallel, dtype
+        # A published quantized checkpoint's weights as it stores them (load_model sets it; None: any other model).
+        self.stored: StoredFormats | None = None
         alloc = Alloc(dtype, parallel.device, quantization)
         tied = cfg.tie_embeddings
         self.embed = VocabParallelEmbedding(alloc, "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden, parallel, tied)
@@ -192,6 +194,11 @@ class CausalLM(nn.Module):
 
     def part(self, part: str | int) -> nn.Module:
         return self.layers[part] if isinstance(part, int) else getattr(self, part)
+
+    def reads(self, update: TensorSource) -> TensorSource:
+        """An update's tensors as this model reads them: those of a weight a published quantized
+        checkpoint stores quantized in its layout (StoredFormats.as_stored has turned plain ones into it)."""
+        return update if self.stored is None else QuantizedSource(update, self.stored.layout)
 
     def load_part(self, source: TensorSource, part: str | int) -> None:
         """Read `part` again from `source` (this rank's blocks, as at start-up) into the existing
@@ -236,13 +243,16 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, quanti
     its linear weights quantized at load with `quantization` (docs/quantization.md)."""
     cfg, arch = load_config(directory)
     parallel = get_parallel_state()
-    ckpt = open_checkpoint(directory)
+    ckpt, stored = open_checkpoint(directory), None
     if isinstance(ckpt, QuantizedSource):  # a published quantized checkpoint: held in its own formats
         if quantization is not None:
             raise CheckpointError(f"{Path(directory).name} is quantized already ({type(ckpt.layout).__name__}); "
                                   f"load it without quantization=.")
-        quantization = StoredFormats(ckpt, ckpt.stored.handles)
+        stored = StoredFormats(ckpt)
+        # In fp32 its weights are read dequantized, exact (verify hf's fp32 proof); else held as stored.
+        quantization = None if dtype == torch.float32 else stored
     model, error = CausalLM(cfg, arch, parallel, dtype, stored=ckpt, quantization=quantization), None
+    model.stored = stored
     try:
         load_weights(model, ckpt)
     except CheckpointError as exc:
@@ -253,11 +263,13 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, quanti
 
 
 def part_of(name: str) -> str | int | None:
-    """The part (see CausalLM.parts) whose parameters are read from checkpoint tensor `name`."""
+    """The part (see CausalLM.parts) whose parameters are read from checkpoint tensor `name` (a
+    weight's own, or one its module stores it quantized as: `lm_head.qweight`)."""
     layer = re.match(r"model\.layers\.(\d+)\.", name)
     if layer is not None:
         return int(layer[1])
-    return {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}.get(name)
+    module = name.rpartition(".")[0]
+    return {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}.get(module)
 
 
 def unused_by_design(name: str, cfg: ModelConfig) -> bool:

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from moeshard.kernels.quant import QuantFormat, Quantized, dequantize
+from moeshard.kernels.quant import FP8_MAX, QuantFormat, Quantized, dequantize, quantize
 from moeshard.models.checkpoint import Checkpoint, CheckpointError, TensorSource, read_config
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's AWQ_ORDER: word field i holds column AWQ_PACK_ORDER[i]
@@ -119,6 +119,7 @@ class Layout:
     ignore: tuple[str, ...] = ()  # modules left as shipped, in the layout's own syntax (see `skips`)
 
     marker: ClassVar[str] = ""  # the suffix whose tensor says a weight is stored quantized
+    scale: ClassVar[str] = ""  # the suffix of its scales
     suffixes: ClassVar[tuple[str, ...]] = ()  # every suffix a quantized weight may store
 
     def kind(self) -> str:
@@ -159,6 +160,15 @@ class Layout:
         """A whole weight [N, K] in canonical form → its stored tensors, by suffix."""
         raise NotImplementedError
 
+    def quantize(self, w_NK: torch.Tensor) -> Quantized:
+        """A bf16/fp32 weight [N, K] quantized as this layout stores it (the form `encode` takes):
+        what a checkpoint of this layout holds for it, and what a bf16 update is written as."""
+        raise NotImplementedError
+
+    def storing_scales(self, dtype: torch.dtype) -> "Layout":
+        """This layout, its `quantize` rounding scales to `dtype` (as a checkpoint stores them)."""
+        return self
+
 
 @dataclass(frozen=True)
 class Fp8Block(Layout):
@@ -168,7 +178,7 @@ class Fp8Block(Layout):
 
     block: tuple[int, int] = (128, 128)
 
-    marker = ".weight_scale_inv"
+    marker = scale = ".weight_scale_inv"
     suffixes = (".weight", ".weight_scale_inv")
     scale_dtype: ClassVar[torch.dtype] = torch.float32
 
@@ -205,6 +215,18 @@ class Fp8Block(Layout):
         block_cols, pick_cols = group_map(cols, bk, fmt.group)
         scale = source.block(f"{module}.weight_scale_inv", (block_rows, block_cols)).float()
         return Quantized(values, scale[pick_rows][:, pick_cols], None, fmt)
+
+    def quantize(self, w_NK):
+        """One scale per bn × bk block (the last ones short), max |w| / 448, as DeepSeek-V3's FP8 is made."""
+        (N, K), (bn, bk) = w_NK.shape, self.block
+        padded = torch.nn.functional.pad(w_NK.float(), (0, -K % bk, 0, -N % bn))
+        scale = padded.unflatten(0, (-1, bn)).unflatten(2, (-1, bk)).abs().amax((1, 3)) / FP8_MAX
+        safe = torch.where(scale > 0, scale, 1.0).repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        values = (padded / safe).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)[:N, :K]
+        fmt = self.fmt(K)
+        _, rows = group_map(range(N), bn, 1)
+        _, cols = group_map(range(K), bk, fmt.group)
+        return Quantized(values, scale[rows][:, cols], None, fmt)
 
     def encode(self, q):
         (N, K), (bn, bk) = q.shape, self.block
@@ -248,6 +270,23 @@ class IntLayout(Layout):
             return Quantized((levels - self.middle).to(torch.int8), scale, None, fmt)
         return Quantized(int_values(levels, fmt), scale, int_values(zero, fmt), fmt)
 
+    def quantize(self, w_NK):
+        """kernels.quant.quantize over groups of G (the last one short: padding with zeros moves
+        neither max |w| nor [min, max], which include 0), scales rounded to `scale_dtype`."""
+        N, K = w_NK.shape
+        fmt, G = self.fmt(K), self.group_size
+        whole = quantize(torch.nn.functional.pad(w_NK.float(), (0, -K % G)), QuantFormat(fmt.kind, G, fmt.zero_point))
+        _, cols = group_map(range(K), G, fmt.group)
+        zero = None if whole.zero is None else whole.zero[:, cols]
+        return Quantized(whole.values[:, :K], whole.scale.to(self.scale_dtype).float()[:, cols], zero, fmt)
+
+    def storing_scales(self, dtype):
+        return replace(self, scale_dtype=dtype)
+
+    def common_config(self, method: str) -> dict:
+        """What GPTQ's and AWQ's configs share."""
+        return dict(quant_method=method, bits=self.bits, group_size=self.group_size)
+
     def stored_levels(self, q: Quantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Canonical → unsigned levels [N, K], and per stored group [N, ⌈K/G⌉] the zero points (a
         symmetric weight's: the middle level) and scales, in the layout's dtype."""
@@ -266,6 +305,7 @@ class PackQuantized(IntLayout):
     scale_dtype: torch.dtype = field(default=torch.bfloat16, compare=False)
 
     marker = ".weight_packed"
+    scale = ".weight_scale"
     suffixes = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape")
 
     def skips(self, module: str) -> bool:
@@ -339,6 +379,7 @@ class Gptq(IntLayout):
     lm_head: bool = False  # GPTQModel's flag: the LM head is quantized too
 
     marker = ".qweight"
+    scale = ".scales"
     suffixes = (".qweight", ".qzeros", ".scales", ".g_idx")
 
     def skips(self, module: str) -> bool:
@@ -346,10 +387,7 @@ class Gptq(IntLayout):
         return (module == "lm_head" and not self.lm_head) or any(re.match(p, module) for p in self.ignore)
 
     def config(self) -> dict:
-        return dict(
-            quant_method="gptq",
-            bits=self.bits,
-            group_size=self.group_size,
+        return self.common_config("gptq") | dict(
             desc_act=False,
             sym=self.symmetric,
             static_groups=False,
@@ -404,6 +442,7 @@ class Awq(IntLayout):
     symmetric: bool = False
 
     marker = ".qweight"
+    scale = ".scales"
     suffixes = (".qweight", ".qzeros", ".scales")
 
     def skips(self, module: str) -> bool:
@@ -411,10 +450,7 @@ class Awq(IntLayout):
         return any(entry in module for entry in self.ignore)
 
     def config(self) -> dict:
-        return dict(
-            quant_method="awq",
-            bits=self.bits,
-            group_size=self.group_size,
+        return self.common_config("awq") | dict(
             zero_point=True,
             version="gemm",
             modules_to_not_convert=list(self.ignore) or None,
@@ -575,6 +611,9 @@ class QuantizedSource(TensorSource):
     def __contains__(self, name: str) -> bool:
         return name in self.stored or self.module_of(name) is not None
 
+    def names(self) -> list[str]:
+        return self.stored.names()
+
     def shape(self, name: str) -> tuple[int, ...]:
         module = self.module_of(name)
         return self.stored.shape(name) if module is None else self.layout.shape(self.stored, module)
@@ -615,21 +654,100 @@ class QuantizedSource(TensorSource):
         self.stored.finish(*args, **kwargs)
 
 
-class StoredFormats:
-    """The formats a quantized checkpoint's weights are held in (what `Quantization` is for weights
-    quantized at load): a module group's (`model.layers.1.mlp.experts`, `lm_head`, …) is the one
-    format every weight stored quantized under its name has; None where it has none, or several
-    (those weights are then read dequantized into bf16 ones: correct, held larger)."""
+PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # a quantized weight given plain, to quantize
 
-    def __init__(self, source: QuantizedSource, stored_names):
-        self.source = source
-        marker = source.layout.marker
-        self.modules = [n.removesuffix(marker) for n in stored_names if n.endswith(marker)]
+
+class StoredFormats:
+    """The weights a published quantized checkpoint stores quantized, and the formats they are held
+    in (what `Quantization` is for weights quantized at load): a module group's (`model.layers.1.mlp.experts`,
+    `lm_head`, …) is the one format every weight stored quantized under its name has; None where it
+    has none, or several (those weights are then read dequantized into bf16 ones: correct, held larger).
+
+    An update names such a weight as the checkpoint stores it — all of its stored tensors in one
+    call (`check_whole`) — or plainly, `X.weight` in bf16 (fp16, fp32), which `encode` quantizes as
+    the checkpoint stores it (its layout, its scales' dtype): then it is the same update as the
+    stored tensors of a checkpoint quantized from those weights."""
+
+    def __init__(self, source: QuantizedSource):
+        stored, layout = source.stored, source.layout
+        modules = [n.removesuffix(layout.marker) for n in stored.names() if n.endswith(layout.marker)]
+        for m in modules:
+            source.module_of(f"{m}.weight")  # refuses a weight both stored quantized and listed as not
+        self.layout = layout
+        self.shapes = {m: tuple(layout.shape(stored, m)) for m in modules}  # logical [N, K]
+        self.names = {m: source.stored_names(f"{m}.weight") for m in modules}  # what the checkpoint stores for each
+        self.layouts = {m: layout.storing_scales(stored.block(m + layout.scale, ()).dtype) for m in modules}
+        by_prefix: dict[str, set[QuantFormat]] = {}
+        for m, (_, K) in self.shapes.items():
+            parts = m.split(".")
+            for i in range(1, len(parts) + 1):
+                by_prefix.setdefault(".".join(parts[:i]), set()).add(layout.fmt(K))
+        self.formats = {prefix: formats.pop() for prefix, formats in by_prefix.items() if len(formats) == 1}
 
     def format_for(self, name: str) -> QuantFormat | None:
-        under = [m for m in self.modules if m == name or m.startswith(f"{name}.")]
-        formats = {self.source.quantized(f"{m}.weight") for m in under}
-        return formats.pop() if len(formats) == 1 else None
+        return self.formats.get(name)
+
+    def module_of(self, name: str) -> str | None:
+        """The module whose stored tensor, or plain weight, `name` is (None: not a weight stored quantized)."""
+        for suffix in (".weight", *self.layout.suffixes):
+            if name.endswith(suffix) and name.removesuffix(suffix) in self.shapes:
+                return name.removesuffix(suffix)
+        return None
+
+    def plain(self, name: str) -> str | None:
+        """The module if `name` is the plain weight (`X.weight`) of one stored quantized."""
+        module = name.removesuffix(".weight")
+        return module if module != name and module in self.shapes else None
+
+    def is_plain(self, name: str, dtype: torch.dtype) -> bool:
+        return self.plain(name) is not None and dtype in PLAIN_DTYPES
+
+    def check_whole(self, named: list[tuple[str, torch.dtype]]) -> set[str]:
+        """Refuse an update that gives a weight stored quantized in part: some of its stored tensors
+        without the others, or those and its plain weight too. Returns the modules given plainly."""
+        given: dict[str, list[str]] = {}
+        plain = set()
+        for name, dtype in named:
+            module = self.module_of(name)
+            if module is None:
+                continue
+            if self.is_plain(name, dtype):
+                plain.add(module)
+            else:
+                given.setdefault(module, []).append(name)
+        for module, names in given.items():
+            if module in plain:
+                raise ValueError(f"the update gives {module} both as a plain weight and as its stored tensors; nothing was written.")
+            missing = [n for n in self.names[module] if n not in names]
+            if missing:
+                raise ValueError(
+                    f"update tensor {names[0]!r} comes without {missing[0]!r}: a weight stored quantized is updated "
+                    "with all of its stored tensors in one call; nothing was written."
+                )
+        return plain
+
+    def encode(self, name: str, w_NK: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The plain weight `name` of a module stored quantized → the tensors the checkpoint would store."""
+        module = self.plain(name)
+        layout = self.layouts[module]
+        return {module + suffix: t for suffix, t in layout.encode(layout.quantize(w_NK)).items()}
+
+    def as_stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An update's tensors, each plain weight of a module stored quantized replaced by its stored tensors."""
+        out = {}
+        for name, tensor in tensors.items():
+            out.update(self.encode(name, tensor) if self.is_plain(name, tensor.dtype) else {name: tensor})
+        return out
+
+    def validate(self, tensors: TensorSource, modules) -> None:
+        """Read each of `modules` whole from an update's stored tensors, refusing what a load would
+        refuse (act-order, zero points off the middle of a symmetric layout, …) before any is written."""
+        source = QuantizedSource(tensors, self.layout)
+        for module in modules:
+            try:
+                source.read_quantized(f"{module}.weight", self.shapes[module])
+            except CheckpointError as exc:
+                raise ValueError(f"{str(exc).rstrip('.')}; nothing was written.") from None
 
 
 def open_checkpoint(directory: str | Path) -> TensorSource:

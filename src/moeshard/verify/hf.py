@@ -218,8 +218,6 @@ def check_request(request: Request) -> None:
         if request.reference is None:
             raise ValueError(f"{request.model} is quantized, which transformers does not run on a CPU: give the "
                              f"checkpoint of its dequantized weights as the reference.")
-        if request.dtype != "bfloat16":
-            raise ValueError("a quantized checkpoint computes in bfloat16: verify it with dtype bfloat16.")
     if request.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {request.dtype!r}.")
     if request.steps < 0 or not request.prompt_lengths or min(request.prompt_lengths) < 1:

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeshard.kernels.quant import FP8_MAX, QuantFormat, Quantized, dequantize, quantize
+from moeshard.kernels.quant import dequantize
 from moeshard.models.checkpoint import read_config
-from moeshard.models.quantized_checkpoint import Awq, Fp8Block, Gptq, Layout, PackQuantized, group_map
+from moeshard.models.quantized_checkpoint import Awq, Fp8Block, Gptq, Layout, PackQuantized
 
 GROUP = 16
 
@@ -45,34 +45,6 @@ TINY_LAYOUTS: dict[str, Callable[[tuple[str, ...]], Layout]] = {
 def is_router(module: str) -> bool:
     """MoE routers (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) and Qwen2-MoE's shared-expert gate."""
     return module.endswith(".gate") or module.endswith(".shared_expert_gate")
-
-
-def quantize_fp8_blocks(w_NK: torch.Tensor, layout: Fp8Block) -> Quantized:
-    """One scale per bn × bk block (the last ones short), max |w| / 448, as DeepSeek-V3's FP8 is made."""
-    (N, K), (bn, bk) = w_NK.shape, layout.block
-    padded = torch.nn.functional.pad(w_NK.float(), (0, -K % bk, 0, -N % bn))
-    scale = padded.unflatten(0, (-1, bn)).unflatten(2, (-1, bk)).abs().amax((1, 3)) / FP8_MAX
-    safe = torch.where(scale > 0, scale, 1.0).repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-    values = (padded / safe).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)[:N, :K]
-    fmt = layout.fmt(K)
-    _, rows = group_map(range(N), bn, 1)
-    _, cols = group_map(range(K), bk, fmt.group)
-    return Quantized(values, scale[rows][:, cols], None, fmt)
-
-
-def quantize_groups(w_NK: torch.Tensor, layout: Layout) -> Quantized:
-    """kernels.quant.quantize over the layout's groups of G (the last one short: padding with zeros
-    moves neither max |w| nor [min, max], which include 0), scales rounded to the layout's dtype."""
-    N, K = w_NK.shape
-    fmt, G = layout.fmt(K), layout.group()
-    whole = quantize(torch.nn.functional.pad(w_NK.float(), (0, -K % G)), QuantFormat(fmt.kind, G, fmt.zero_point))
-    _, cols = group_map(range(K), G, fmt.group)
-    zero = None if whole.zero is None else whole.zero[:, cols]
-    return Quantized(whole.values[:, :K], whole.scale.to(layout.scale_dtype).float()[:, cols], zero, fmt)
-
-
-def quantize_for(layout: Layout, w_NK: torch.Tensor) -> Quantized:
-    return quantize_fp8_blocks(w_NK, layout) if isinstance(layout, Fp8Block) else quantize_groups(w_NK, layout)
 
 
 def save_checkpoint(directory: Path, source: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
@@ -104,7 +76,7 @@ def write_quantized(source: str | Path, directory: str | Path, layout_name: str,
             continue
         if layout.skips(module):
             raise ValueError(f"{layout_name}'s ignore list {list(shipped)} also matches {module}, which it quantizes.")
-        q = quantize_for(layout, tensor)
+        q = layout.quantize(tensor)
         stored.update({module + suffix: t for suffix, t in layout.encode(q).items()})
         dequantized[name] = dequantize(q).float()
     save_checkpoint(directory, source, stored, config | {"quantization_config": layout.config()})
