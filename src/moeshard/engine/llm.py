@@ -165,7 +165,7 @@ class LLM(Inputs, EngineLifecycle, EngineWeightSync):
         unless a request says otherwise (SamplingParams.kv_after_update): "keep" it, or "recompute"
         it under the new weights before their next token.
         `quantization`: "fp8", "int8" or "int4": every linear weight a decode step reads (the LM
-        head too, unless tied to the embedding) quantized at load, in groups of `quantization_group`
+        head too; a tied one as a quantized copy of the embedding) quantized at load, in groups of `quantization_group`
         inputs, and held quantized; `quantization_skip`: module names or patterns kept as they are
         (docs/quantization.md). Computes in bfloat16. `quantize_activations` (int8 or int4 only): their
         products quantize each row of activations to int8 per group and multiply integers (VNNI):
