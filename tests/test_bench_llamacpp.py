@@ -105,13 +105,19 @@ def test_bench_e2e_against_llamacpp_runs_each_format_at_one_and_more_sequences(t
     out = tmp_path / "e2e.json"
     proc = subprocess.run(
         [sys.executable, "-m", "moeshard", "bench", "e2e", "--against", "llama.cpp", "--llama-formats", "bf16,q4_0",
-         "--concurrency", "1,2", "--threads", "1", "--num-requests", "3", "--prompt-lens", "4", "9",
+         "--quantization", "bf16,int4", "--concurrency", "1,2", "--threads", "1", "--num-requests", "3", "--prompt-lens", "4", "9",
          "--output-lens", "6", "6", "--repeats", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {(r["concurrency"], r["contender"]): r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {(c, name) for c in (1, 2) for name in ("moeshard", "llama.cpp bf16", "llama.cpp q4_0")}
+    result = json.loads(out.read_text())
+    rows = {(r["concurrency"], r["contender"]): r for r in result["rows"]}
+    assert set(rows) == {(c, name) for c in (1, 2)
+                         for name in ("moeshard bf16", "moeshard int4", "llama.cpp bf16", "llama.cpp q4_0")}
+    # the same bits a weight side by side, and int4 against moeshard's own bf16
+    assert [(p["concurrency"], p["first"], p["second"]) for p in result["pairs"]] == [
+        (c, first, second) for c in (1, 2) for first, second in (
+            ("moeshard bf16", "llama.cpp bf16"), ("moeshard int4", "llama.cpp q4_0"), ("moeshard int4", "moeshard bf16"))]
     # bf16 against bf16: the same weights, rounded differently; a wrong conversion (a transposed or
     # misnamed tensor) would agree on next to nothing
     assert rows[1, "llama.cpp bf16"]["same_tokens"] >= 0.5 and rows[2, "llama.cpp bf16"]["same_tokens"] >= 0.5

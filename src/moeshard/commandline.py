@@ -61,6 +61,19 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def choice_list(choices: tuple[str, ...]):
+    """An argparse type: a comma-separated list of `choices`."""
+
+    def parse(text: str) -> list[str]:
+        values = [part.strip() for part in text.split(",") if part.strip()]
+        wrong = [v for v in values if v not in choices]
+        if wrong or not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: comma-separated {', '.join(choices)}")
+        return values
+
+    return parse
+
+
 def add_layout(parser: argparse.ArgumentParser, sp: bool = True) -> None:
     """--tp, --dp, --ep (and --sp): one layout, as `LLM` takes it."""
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP group")
@@ -82,10 +95,16 @@ def add_dtype(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_quantization(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quantization", choices=("fp8", "int8", "int4"), default=None,
-                        help="quantize every linear weight a decode step reads at load, the LM head too, and hold it "
-                             "quantized (computes in bf16; docs/quantization.md)")
+def add_quantization(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """`several`: --quantization lists formats, bf16 among them meaning unquantized (bench e2e: an engine each)."""
+    if several:
+        parser.add_argument("--quantization", type=choice_list(("bf16", "fp8", "int8", "int4")), default=[],
+                            help="comma-separated: bf16 (unquantized), fp8, int8, int4 — an engine each, quantized at "
+                                 "load with the options below")
+    else:
+        parser.add_argument("--quantization", choices=("fp8", "int8", "int4"), default=None,
+                            help="quantize every linear weight a decode step reads at load, the LM head too, and hold it "
+                                 "quantized (computes in bf16; docs/quantization.md)")
     parser.add_argument("--quantization-skip", action="append", default=[], metavar="NAME",
                         help="a module name, dotted suffix or pattern kept unquantized (e.g. lm_head); repeatable")
     parser.add_argument("--quantization-group", type=int, default=128, help="inputs per quantization scale")

@@ -1,11 +1,11 @@
-"""The "benchmark" commands: `bench layer | lm-head | kernels | e2e | load | serve | soak` (docs/benchmarks.md).
+"""The "benchmark" commands: `bench layer | lm-head | kernels | quant | e2e | step | load | serve | soak` (docs/benchmarks.md).
 Each prints ratios against a peer measured in the same run."""
 
 from __future__ import annotations
 
 import argparse
 
-from moeshard.commandline import Registry, int_list, lazy
+from moeshard.commandline import Registry, add_quantization, int_list, lazy
 
 
 def add_commands(registry: Registry) -> None:
@@ -75,9 +75,23 @@ def add_commands(registry: Registry) -> None:
     be2e.add_argument("--llama-formats", type=lambda t: t.split(","), default=None,
                       help="with --against llama.cpp: comma-separated GGUF formats the run's weights are converted to, "
                            "each a contender: bf16, q8_0, q4_0, q4_k_m (default: all four)")
+    add_quantization(be2e, several=True)
     be2e.add_argument("--plot", metavar="PNG", help="tokens/s against concurrency, one panel per model, dtype, threads")
     be2e.add_argument("--json", metavar="PATH")
     be2e.set_defaults(run=lazy("moeshard.bench.e2e", "run_bench_e2e"))
+    bstep = registry.command(
+        "benchmark", "bench step", "a decode step's time part by part (LM head, experts, attention, router, sampling, driver) beside each part's floor",
+        "moeshard bench step --model-shape qwen3-30b-a3b --quantization bf16,int4 --concurrency 1,64 --threads 1", under=bench,
+    )
+    bstep.add_argument("--model", default=None, metavar="DIR", help="a checkpoint (default: bench e2e's random model, written for the run)")
+    bstep.add_argument("--model-shape", default="qwen3-30b-a3b", help="small or qwen3-30b-a3b (see bench e2e)")
+    bstep.add_argument("--concurrency", type=int_list, default=[1, 64], help="sequences decoding together")
+    bstep.add_argument("--context", type=int, default=64, help="prompt tokens per sequence before the timed steps")
+    bstep.add_argument("--steps", type=int, default=10, help="decode steps timed")
+    bstep.add_argument("--threads", type=int, default=1)
+    bstep.add_argument("--json", metavar="PATH")
+    add_quantization(bstep, several=True)
+    bstep.set_defaults(run=lazy("moeshard.bench.step", "run_bench_step"))
     bload = registry.command(
         "benchmark", "bench load", "load time, weights held and peak memory, with the kernels' packed weights and without",
         "moeshard bench load --model-shape qwen3-30b-a3b --threads 1 --repeats 3", under=bench,

@@ -2,7 +2,12 @@
 (`generate` in batches of c), its continuous batching, vLLM's CPU engine (`--against vllm`) and
 llama.cpp (`--against llama.cpp`), each peer in its own venv and process, on one realistic workload,
 same weights, same dtype — for llama.cpp, the same weights converted to GGUF in each of
-`--llama-formats` (bf16 and quantized: Q8_0, Q4_0, Q4_K_M), each format a contender.
+`--llama-formats` (bf16 and quantized: Q8_0, Q4_0, Q4_K_M), each format a contender. moeshard
+itself runs one engine per weight format of `--quantization` (fp8, int8, int4, quantized at load
+with the command's other quantization options; bf16 is the unquantized engine, which always runs:
+it is the reference every ratio and every greedy agreement is taken against), and a second table
+pairs the contenders at the same bits a weight (moeshard bf16 ~ llama.cpp bf16, int8 ~ Q8_0,
+int4 ~ Q4_0 and Q4_K_M) and each quantized engine against the unquantized one.
 
 The workload: `--num-requests` prompts of random token ids, prompt and output lengths uniform over
 their ranges, EOS ignored, greedy. The models (`--model-shapes`), written random for the run in the
@@ -14,8 +19,11 @@ a noisy machine slows each of them alike; a ratio is taken within one repetition
 shows medians and the spread (lowest–highest). Greedy agreement: in fp32 every contender must
 produce moeshard's tokens, request for request (a difference fails the run); in bf16 the kernels
 round differently and greedy paths drift apart, so the share of tokens equal to moeshard's, position
-by position, is reported. At c = 1 the prefill rate is quoted too: prompt tokens over the time to
-their first tokens (moeshard: its steps that carried prompt tokens, each also sampling the first).
+by position, is reported (a quantized engine computes in bf16: its share is reported in an fp32
+run too). Each moeshard engine's decode step is set against its floor (bench/floor.py), the
+larger of its byte and compute floors for its weights as held. At c = 1 the prefill rate is
+quoted too: prompt tokens over the time to their first tokens (moeshard: its steps that carried
+prompt tokens, each also sampling the first).
 
 Every run of moeshard and of vLLM starts with an empty prefix cache: the workload repeats its
 prompts across runs, and a cached prompt would skip its prefill (`bench serve --dataset prefix`
@@ -33,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +56,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from moeshard.engine import LLM, SamplingParams
 from moeshard.bench.floor import DecodeFloor, decode_floor
 from moeshard.bench.peers import LLAMA_FORMATS, LlamaCpp, VllmOffline, gguf_files, llamacpp_python, vllm_python
+from moeshard.commandline import quantization_options
 from moeshard.engine.core import StepStats
 from moeshard.verify.tiny import spread_init
 
@@ -64,6 +74,7 @@ MODEL_SHAPES = {
 }
 LARGER_QWEN3_MOE = MODEL_SHAPES["small"]
 PAD = 0
+BITS = {"fp32": 32, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}  # a weight's, by moeshard's formats
 
 
 def larger_model(
@@ -97,12 +108,24 @@ class Workload:
 
 
 class Moeshard:
-    name = "moeshard"
+    """moeshard in this process, on one rank: `weights` names what it holds ("bf16", "fp32", or a
+    quantized format), `bits` its bits a weight (same-bits pairs with llama.cpp's formats)."""
 
-    def __init__(self, llm: LLM):
-        self.llm = llm
+    def __init__(self, llm: LLM, name: str = "moeshard", weights: str = "bf16"):
+        self.llm, self.name, self.weights = llm, name, weights
+        self.bits = BITS[weights]
+        self.dtype = "float32" if weights == "fp32" else "bfloat16"  # quantized weights compute in bf16
         self.stats = StepStats()
         self.concurrency = 1
+
+    @classmethod
+    def start(cls, directory, dtype: str, weights: str, concurrency: int, context: int, options: dict,
+              name: str) -> "Moeshard":
+        """An engine of its own on the run's checkpoint, warmed up; `options`: LLM's quantization options."""
+        llm = LLM(directory, dtype=dtype, max_num_seqs=concurrency, max_num_batched_tokens=2048, max_model_len=context,
+                  **options)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+        return cls(llm, name, weights)
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -119,19 +142,46 @@ class Moeshard:
         done = self.llm.generate(prompts, params, max_concurrency=concurrency)
         return [o.token_ids for o in done], time.perf_counter() - start
 
+    def close(self):
+        self.llm.close()
+
+
+def engine_settings(args, weights: str, dtype: str) -> tuple[str, dict]:
+    """(dtype, LLM's quantization options) of moeshard's engine holding `weights`: unquantized
+    ("bf16", "fp32") in the run's `dtype`, else computing in bf16, quantized at load with the
+    command's quantization options (`commandline.add_quantization`)."""
+    if weights in ("bf16", "fp32"):
+        return dtype, {}
+    return "bfloat16", quantization_options(args) | {"quantization": weights}
+
+
+def moeshard_engines(directory, args, context: int) -> list[Moeshard]:
+    """The unquantized engine (the reference: the run's dtype), then one per quantized format of
+    `--quantization`. Without quantized formats the one engine is named "moeshard"; with them each
+    is named by its weights."""
+    plain = "fp32" if args.dtype == "float32" else "bf16"
+    formats = [f for f in args.quantization if f != "bf16"]
+    engines = []
+    try:
+        for weights in [plain, *formats]:
+            dtype, options = engine_settings(args, weights, args.dtype)
+            engines.append(Moeshard.start(directory, dtype, weights, max(args.concurrency), context, options,
+                                          f"moeshard {weights}" if formats else "moeshard"))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
+
 
 class MoeshardBatchInvariant(Moeshard):
     """The same model in batch-invariant mode: what the mode costs, measured beside the default."""
 
-    name = "moeshard batch-invariant"
-
     def __init__(self, directory, dtype, concurrency, context):
         super().__init__(LLM(directory, dtype=dtype, max_num_seqs=concurrency, max_num_batched_tokens=2048,
-                             max_model_len=context, batch_invariant=True))
+                             max_model_len=context, batch_invariant=True), "moeshard batch-invariant",
+                         "fp32" if dtype == "float32" else "bf16")
         self.llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
-
-    def close(self):
-        self.llm.close()
 
 
 class TransformersStatic:
@@ -186,22 +236,36 @@ class TransformersContinuous:
 @dataclass
 class Row:
     model: str
-    dtype: str
+    dtype: str  # what the contender computes in (moeshard's quantized weights: bf16)
     threads: int
     concurrency: int
     contender: str
     tok_s: float  # median over repetitions, useful output tokens
     tok_s_low: float
     tok_s_high: float
-    ratio: float  # median of moeshard / this contender, within each repetition
+    ratio: float  # median of the reference (moeshard's unquantized engine) / this contender, within each repetition
     ratio_low: float
     ratio_high: float
-    identical: bool  # every request's tokens equal moeshard's
-    same_tokens: float  # share of output positions whose token equals moeshard's (last repetition)
+    identical: bool  # every request's tokens equal the reference's
+    same_tokens: float  # share of output positions whose token equals the reference's (last repetition)
     prefill_tok_s: float | None = None  # median over repetitions, at c = 1 (prompt tokens to first tokens)
     overhead_share: float | None = None  # moeshard: of its step time outside the model forward
     plan_bytes: float | None = None  # moeshard: per decode step, driver → ranks
     sample_bytes: float | None = None  # moeshard: per decode step, ranks → driver
+
+
+@dataclass
+class Pair:
+    """Two contenders of one point: `first`'s tok/s over `second`'s, within each repetition."""
+
+    model: str
+    threads: int
+    concurrency: int
+    first: str
+    second: str
+    ratio: float
+    ratio_low: float
+    ratio_high: float
 
 
 def same_token_share(reference: list[list[int]], tokens: list[list[int]]) -> float:
@@ -210,12 +274,29 @@ def same_token_share(reference: list[list[int]], tokens: list[list[int]]) -> flo
     return sum(a == b for a, b in pairs) / total if total else 1.0
 
 
-def bench_point(contenders, prompts, outputs, label, concurrency, repeats, progress, task) -> list[Row]:
-    """`label`: (model shape, dtype, threads)."""
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def same_bits_pairs(contenders, tok_s: dict[str, list[float]], label, concurrency) -> list[Pair]:
+    """Each moeshard engine against each peer holding its weights in as many bits (bf16 ~ bf16,
+    int8 ~ Q8_0, int4 ~ Q4_0 and Q4_K_M), and each quantized moeshard engine against the unquantized
+    one (the first contender)."""
+    ours = [c for c in contenders if isinstance(c, Moeshard) and not isinstance(c, MoeshardBatchInvariant)]
+    peers = [c for c in contenders if not isinstance(c, Moeshard) and getattr(c, "bits", None)]
+    pairs = [(m, p) for m in ours for p in peers if p.bits == m.bits] + [(m, ours[0]) for m in ours[1:]]
+    model, _, threads = label
+    return [Pair(model, threads, concurrency, a.name, b.name,
+                 *spread([x / y for x, y in zip(tok_s[a.name], tok_s[b.name])])) for a, b in pairs]
+
+
+def bench_point(contenders, prompts, outputs, label, concurrency, repeats, progress, task) -> tuple[list[Row], list[Pair]]:
+    """`label`: (model shape, dtype, threads); the first contender is the reference (moeshard's unquantized engine)."""
     tok_s = {c.name: [] for c in contenders}
     prefill = {c.name: [] for c in contenders}
     same = {c.name: True for c in contenders}
     share = {}
+    reference = contenders[0].name
     for rep in range(repeats):
         order = contenders[rep % len(contenders):] + contenders[: rep % len(contenders)]
         tokens = {}
@@ -226,54 +307,66 @@ def bench_point(contenders, prompts, outputs, label, concurrency, repeats, progr
                 prefill[contender.name].append(contender.prefill_tok_s)
             progress.advance(task)
         for name, got in tokens.items():
-            same[name] &= got == tokens["moeshard"]
-            share[name] = same_token_share(tokens["moeshard"], got)
-    ours = tok_s["moeshard"]
+            same[name] &= got == tokens[reference]
+            share[name] = same_token_share(tokens[reference], got)
+    model, dtype, threads = label
     rows = []
     for c in contenders:
-        ratios = [a / b for a, b in zip(ours, tok_s[c.name])]
-        rows.append(Row(*label, concurrency, c.name, statistics.median(tok_s[c.name]), min(tok_s[c.name]),
-                        max(tok_s[c.name]), statistics.median(ratios), min(ratios), max(ratios), same[c.name],
-                        share[c.name], statistics.median(prefill[c.name]) if prefill[c.name] else None))
-    stats = contenders[0].stats  # the last repetition's
-    decode = max(stats.decode_steps, 1)
-    rows[0].overhead_share = stats.overhead_share
-    rows[0].plan_bytes, rows[0].sample_bytes = stats.decode_plan_bytes / decode, stats.decode_sample_bytes / decode
-    return rows
+        ratios = [a / b for a, b in zip(tok_s[reference], tok_s[c.name])]
+        row = Row(model, getattr(c, "dtype", dtype), threads, concurrency, c.name, *spread(tok_s[c.name]),
+                  *spread(ratios), same[c.name], share[c.name],
+                  statistics.median(prefill[c.name]) if prefill[c.name] else None)
+        if isinstance(c, Moeshard):  # the last repetition's
+            decode = max(c.stats.decode_steps, 1)
+            row.overhead_share = c.stats.overhead_share
+            row.plan_bytes, row.sample_bytes = c.stats.decode_plan_bytes / decode, c.stats.decode_sample_bytes / decode
+        rows.append(row)
+    return rows, same_bits_pairs(contenders, tok_s, label, concurrency)
 
 
-def print_table(console, rows: list[Row], workload: Workload) -> None:
+def print_table(console, rows: list[Row], workload: Workload, reference: str) -> None:
     table = Table(title=f"useful output tokens/s, random Qwen3-MoE, 1 rank, {workload.num_requests} requests, "
                         f"prompts {workload.prompt_lens[0]}–{workload.prompt_lens[1]}, outputs "
-                        f"{workload.output_lens[0]}–{workload.output_lens[1]}, greedy (ratio: moeshard / contender)")
+                        f"{workload.output_lens[0]}–{workload.output_lens[1]}, greedy (ratio: moeshard's unquantized "
+                        f"engine / contender; same tokens: as that engine's)")
     for column in ("model", "dtype", "threads", "concurrency", "contender", "tok/s median", "tok/s spread",
                    "ratio median", "ratio spread", "same tokens", "prefill tok/s", "outside forward", "plan B/step"):
         table.add_column(column, justify="right")
     for r in rows:
-        ours = r.contender == "moeshard"
-        agreement = "" if ours else ("all" if r.identical else f"{r.same_tokens:.0%}")
+        ours, itself = r.overhead_share is not None, r.contender == reference
+        agreement = "" if itself else ("all" if r.identical else f"{r.same_tokens:.0%}")
         table.add_row(
-            r.model, r.dtype, str(r.threads), str(r.concurrency), r.contender, f"{r.tok_s:,.0f}",
-            f"{r.tok_s_low:,.0f}–{r.tok_s_high:,.0f}", "" if ours else f"{r.ratio:.2f}",
-            "" if ours else f"{r.ratio_low:.2f}–{r.ratio_high:.2f}", agreement,
+            r.model, r.dtype, str(r.threads), str(r.concurrency), r.contender, f"{r.tok_s:,.1f}",
+            f"{r.tok_s_low:,.1f}–{r.tok_s_high:,.1f}", "" if itself else f"{r.ratio:.2f}",
+            "" if itself else f"{r.ratio_low:.2f}–{r.ratio_high:.2f}", agreement,
             "" if r.prefill_tok_s is None else f"{r.prefill_tok_s:,.0f}",
             f"{r.overhead_share:.1%}" if ours else "", f"{r.plan_bytes:,.0f}" if ours else "",
         )
     console.print(table)
 
 
-def print_floors(console, floors: list[tuple[str, str, DecodeFloor]]) -> None:
-    table = Table(title="a moeshard decode step against its floors: the bytes it must read (weights, touched experts, "
-                        "K/V) at the read bandwidth, and its multiply-adds at a compute-bound GEMM's rate, both "
-                        "measured in this run")
-    for column in ("model", "dtype", "threads", "sequences", "context", "step ms", "weights MB", "K/V MB",
-                   "GB/s", "floor ms", "step / floor", "GFLOP", "GEMM GF/s", "compute floor ms", "step / compute floor"):
+def print_pairs(console, pairs: list[Pair]) -> None:
+    table = Table(title="at the same bits a weight, and each quantized format against moeshard's unquantized engine: "
+                        "first / second tok/s within each repetition (above 1: the first is faster)")
+    for column in ("model", "threads", "concurrency", "first", "second", "× median", "× spread"):
         table.add_column(column, justify="right")
-    for model, dtype, f in floors:
-        table.add_row(model, dtype, str(f.threads), str(f.sequences), str(f.context), f"{f.step_ms:.1f}",
-                      f"{f.weight_mb:.0f}", f"{f.kv_mb:.1f}", f"{f.bandwidth_gbs:.1f}", f"{f.floor_ms:.1f}",
-                      f"{f.ratio:.2f}", f"{f.gflop:.2f}", f"{f.gemm_gflops:.0f}", f"{f.compute_floor_ms:.1f}",
-                      f"{f.compute_ratio:.2f}")
+    for p in pairs:
+        table.add_row(p.model, str(p.threads), str(p.concurrency), p.first, p.second, f"{p.ratio:.2f}",
+                      f"{p.ratio_low:.2f}–{p.ratio_high:.2f}")
+    console.print(table)
+
+
+def print_floors(console, floors: list[tuple[str, str, DecodeFloor]]) -> None:
+    table = Table(title="a moeshard decode step against its floor, the larger of its bytes (weights as held, touched "
+                        "experts, K/V) at the read bandwidth and its products at its kernels' rates in cache, both "
+                        "measured in this run")
+    for column in ("model", "engine", "threads", "sequences", "context", "step ms", "weights MB", "K/V MB", "GB/s",
+                   "byte floor ms", "GFLOP", "compute floor ms", "floor ms", "binds", "step / floor"):
+        table.add_column(column, justify="right")
+    for model, engine, f in floors:
+        table.add_row(model, engine, str(f.threads), str(f.sequences), str(f.context), f"{f.step_ms:.1f}",
+                      f"{f.weight_mb:.0f}", f"{f.kv_mb:.1f}", f"{f.bandwidth_gbs:.1f}", f"{f.byte_floor_ms:.1f}",
+                      f"{f.gflop:.2f}", f"{f.compute_floor_ms:.1f}", f"{f.floor_ms:.1f}", f.binds, f"{f.ratio:.2f}")
     console.print(table)
 
 
@@ -301,9 +394,11 @@ def plot(path: str, rows: list[Row]) -> None:
     fig.savefig(path, dpi=120)
 
 
-def contenders_for(against: list[str], llm, hf, directory, dtype, threads, args, context, log_dir, ggufs) -> list:
-    """`ggufs`: the checkpoint's GGUF files by format, for llama.cpp."""
-    contenders = [Moeshard(llm)]
+def contenders_for(against: list[str], engines: list[Moeshard], hf, directory, dtype, threads, args, context, log_dir,
+                   ggufs) -> list:
+    """moeshard's `engines` (kept for the whole run), then the peers started for `threads`;
+    `ggufs`: the checkpoint's GGUF files by format, for llama.cpp."""
+    contenders = list(engines)
     if "moeshard-batch-invariant" in against:
         contenders.append(MoeshardBatchInvariant(directory, dtype, max(args.concurrency), context))
     if "transformers" in against:
@@ -316,39 +411,49 @@ def contenders_for(against: list[str], llm, hf, directory, dtype, threads, args,
     return contenders
 
 
+def refusal(args, against: list[str], formats: list[str]) -> str | None:
+    """Why the run's settings cannot run, in one sentence, before any model is written."""
+    unknown = set(against) - {"transformers", "vllm", "llama.cpp", "moeshard-batch-invariant"}
+    if unknown:
+        return (f"--against takes transformers, vllm, llama.cpp and moeshard-batch-invariant, "
+                f"got {', '.join(sorted(unknown))}.")
+    if set(formats) - set(LLAMA_FORMATS):
+        return f"--llama-formats takes {', '.join(LLAMA_FORMATS)}, got {', '.join(sorted(set(formats) - set(LLAMA_FORMATS)))}."
+    if formats and args.dtype == "float32":
+        return ("llama.cpp serves bf16 and quantized GGUFs, never this run's float32 (where every contender must "
+                "match moeshard's tokens): run it with --dtype bfloat16.")
+    if "bf16" in args.quantization and args.dtype == "float32":
+        return ("in a float32 run moeshard's unquantized engine holds float32 weights: leave bf16 out of "
+                "--quantization (the unquantized engine always runs).")
+    return None
+
+
 def run_bench_e2e(args) -> int:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     workload = Workload(args.num_requests, tuple(args.prompt_lens), tuple(args.output_lens), args.seed)
     against = [a for a in args.against.split(",") if a]
-    unknown = set(against) - {"transformers", "vllm", "llama.cpp", "moeshard-batch-invariant"}
-    if unknown:
-        console.print(f"moeshard: error: --against takes transformers, vllm, llama.cpp and moeshard-batch-invariant, "
-                      f"got {', '.join(sorted(unknown))}.")
-        return 2
     formats = (args.llama_formats or list(LLAMA_FORMATS)) if "llama.cpp" in against else []
-    if set(formats) - set(LLAMA_FORMATS):
-        console.print(f"moeshard: error: --llama-formats takes {', '.join(LLAMA_FORMATS)}, "
-                      f"got {', '.join(sorted(set(formats) - set(LLAMA_FORMATS)))}.")
-        return 2
-    if formats and args.dtype == "float32":
-        console.print("moeshard: error: llama.cpp serves bf16 and quantized GGUFs, never this run's float32 "
-                      "(where every contender must match moeshard's tokens): run it with --dtype bfloat16.")
+    refused = refusal(args, against, formats)
+    if refused:
+        console.print(f"moeshard: error: {refused}")
         return 2
     # each peer fails now, with its one sentence, rather than after the first model
     if "vllm" in against:
         vllm_python()
     if formats:
         llamacpp_python(need_server=max(args.concurrency) > 1)
-    rows, floors = [], []
+    rows, pairs, floors = [], [], []
     dtype = getattr(torch, args.dtype)
     context = workload.prompt_lens[1] + workload.output_lens[1]
+    engines_count = 1 + len([f for f in args.quantization if f != "bf16"])
     points = len(args.threads) * len(args.concurrency) * args.repeats * (
-        1 + 2 * ("transformers" in against) + ("vllm" in against) + ("moeshard-batch-invariant" in against)
+        engines_count + 2 * ("transformers" in against) + ("vllm" in against) + ("moeshard-batch-invariant" in against)
         + len(formats))
+    reference = ""
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("bench e2e", total=len(args.model_shapes) * points)
         for shape in args.model_shapes:
-            with tempfile.TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
                 progress.update(task, description=f"{shape}: writing random weights")
                 directory = larger_model(tmp + "/model", shape, dtype)
                 hf = (transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
@@ -357,42 +462,47 @@ def run_bench_e2e(args) -> int:
                 if formats:
                     progress.update(task, description=f"{shape}: converting to GGUF ({', '.join(formats)})")
                 ggufs = gguf_files(directory, formats, max(args.threads), Path(tmp) / "llamacpp-convert.log") if formats else {}
-                with LLM(directory, dtype=args.dtype, max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
-                         max_model_len=context) as llm:
-                    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
-                    for threads in args.threads:
-                        torch.set_num_threads(threads)
-                        progress.update(task, description=f"{shape}: starting the contenders")
-                        contenders = contenders_for(against, llm, hf, directory, args.dtype, threads, args, context, tmp,
-                                                    ggufs)
-                        try:
-                            for c in args.concurrency:
-                                progress.update(task, description=f"{shape}, {threads} thread(s), concurrency {c}")
-                                rows += bench_point(contenders, prompts, outputs, (shape, args.dtype, threads), c,
-                                                    args.repeats, progress, task)
-                        finally:
-                            for contender in contenders:
-                                getattr(contender, "close", lambda: None)()
-                        # Decoding starts from the mean prompt; halfway through the mean output is the typical step.
-                        typical = sum(workload.prompt_lens) // 2 + sum(workload.output_lens) // 4
+                progress.update(task, description=f"{shape}: loading moeshard ({engines_count} engine(s))")
+                engines = moeshard_engines(directory, args, context)
+                for engine in engines:
+                    stack.callback(engine.close)
+                reference = engines[0].name
+                for threads in args.threads:
+                    torch.set_num_threads(threads)
+                    progress.update(task, description=f"{shape}: starting the contenders")
+                    contenders = contenders_for(against, engines, hf, directory, args.dtype, threads, args, context, tmp,
+                                                ggufs)
+                    try:
                         for c in args.concurrency:
-                            floors.append((shape, args.dtype, decode_floor(
-                                llm, c, min(typical, context - args.repeats - 3), MODEL_SHAPES[shape]["vocab_size"],
-                                args.repeats)))
+                            progress.update(task, description=f"{shape}, {threads} thread(s), concurrency {c}")
+                            point_rows, point_pairs = bench_point(contenders, prompts, outputs, (shape, args.dtype, threads),
+                                                                  c, args.repeats, progress, task)
+                            rows += point_rows
+                            pairs += point_pairs
+                    finally:
+                        for contender in contenders[len(engines):]:
+                            getattr(contender, "close", lambda: None)()
+                    # Decoding starts from the mean prompt; halfway through the mean output is the typical step.
+                    typical = sum(workload.prompt_lens) // 2 + sum(workload.output_lens) // 4
+                    for engine in engines:
+                        progress.update(task, description=f"{shape}, {threads} thread(s): {engine.name}'s floors")
+                        floors += [(shape, engine.name, decode_floor(
+                            engine.llm, c, min(typical, context - args.repeats - 3), MODEL_SHAPES[shape]["vocab_size"],
+                            args.repeats)) for c in args.concurrency]
                 del hf
-    print_table(console, rows, workload)
+    print_table(console, rows, workload, reference)
+    if pairs:
+        print_pairs(console, pairs)
     print_floors(console, floors)
     if args.plot:
         plot(args.plot, rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workload": asdict(workload), "rows": [asdict(r) for r in rows],
-                       "decode_floors": [{"model": m, "dtype": d, **asdict(f), "floor_ms": f.floor_ms, "ratio": f.ratio,
-                                          "compute_floor_ms": f.compute_floor_ms, "compute_ratio": f.compute_ratio}
-                                         for m, d, f in floors]}, f, indent=1)
+            json.dump({"workload": asdict(workload), "rows": [asdict(r) for r in rows], "pairs": [asdict(p) for p in pairs],
+                       "decode_floors": [{"model": m, "engine": e, **f.summary()} for m, e, f in floors]}, f, indent=1)
     bad = [f"{r.contender} on {r.model} at {r.threads} thread(s), concurrency {r.concurrency}"
            for r in rows if not r.identical and r.dtype == "float32"]
     if bad:
-        console.print(f"moeshard: error: fp32 greedy tokens differ from moeshard's: {'; '.join(bad)}.")
+        console.print(f"moeshard: error: fp32 greedy tokens differ from {reference}'s: {'; '.join(bad)}.")
         return 1
     return 0

@@ -33,7 +33,8 @@ PEERS = REPO / ".peers"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # scripts/peers.sh installs it and unpacks its sources beside it
 LLAMA_CPP_SOURCE = PEERS / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
 LLAMA_SERVER = PEERS / "llamacpp-build" / "bin" / "llama-server"  # built in the binding's build tree
-LLAMA_FORMATS = ("bf16", "q8_0", "q4_0", "q4_k_m")
+LLAMA_BITS = {"bf16": 16, "q8_0": 8, "q4_0": 4, "q4_k_m": 4}  # a weight's, about (Q4_K_M mixes 4 and 6 bits)
+LLAMA_FORMATS = tuple(LLAMA_BITS)
 
 
 def vllm_python() -> str:
@@ -148,7 +149,7 @@ class LlamaCpp:
     `prefill_tok_s` is the prompts' rate to their first token."""
 
     def __init__(self, fmt: str, gguf: Path, threads: int, slots: int, context: int, log_dir: Path):
-        self.name = f"llama.cpp {fmt}"
+        self.name, self.bits = f"llama.cpp {fmt}", LLAMA_BITS[fmt]
         self.gguf, self.threads, self.slots, self.context = gguf, threads, slots, context
         self.logs = Path(log_dir) / f"llamacpp-{fmt}-{threads}"  # .log (Llama), -server.log
         self.prefill_tok_s: float | None = None
