@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -200,6 +201,11 @@ def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, r
     )
 
 
+def truncated(record: StepRecord) -> int:
+    """The step's sampled tokens whose importance weight was truncated at the cap."""
+    return round(record.tis_truncated_share * record.rollout_tokens)
+
+
 def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
@@ -224,8 +230,7 @@ def summary(records: list[StepRecord]) -> dict:
     if steps[0].tis_mean is not None:  # rollouts corrected by truncated importance sampling
         out.update(median_mean_abs_dlogprob=median([r.mean_abs_dlogprob for r in steps]),
                    mean_tis_mean=sum(r.tis_mean for r in steps) / len(steps),
-                   tis_truncated_share=sum(r.tis_truncated_share * r.rollout_tokens for r in steps)
-                   / sum(r.rollout_tokens for r in steps))
+                   tis_truncated=sum(truncated(r) for r in steps), sampled=sum(r.rollout_tokens for r in steps))
     if steps[0].rss_engine_asleep_mb is not None:  # colocated: what the engine released asleep
         # From step 2 on, the KV cache has been written whole (a poisoned wake touches every page);
         # before, untouched zero pages of a fresh cache are not resident and cannot be released.
@@ -288,7 +293,7 @@ def plot_async(records: list[StepRecord], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> None:
+def plot(records: list[StepRecord], path: str, title: str, grpo: GRPOConfig) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,21 +307,24 @@ def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> 
     top.set_ylabel("exact match")
     top.set_ylim(0, 1)
     top.legend(loc="lower right")
-    top.set_title(title)
+    top.set_title(title, fontsize="small")
     bottom.plot([r.step for r in steps], [r.max_abs_dlogprob for r in steps], lw=0.8, label="max |Δ logprob|")
     bottom.plot([r.step for r in steps], [r.mean_abs_dlogprob for r in steps], lw=0.8, label="mean |Δ logprob|")
-    bottom.set_yscale("symlog", linthresh=1e-9)  # log above 1e-9, and an exact 0 (most steps) still shows
-    if steps[0].tis_mean is None:
+    if grpo.tis_cap is None:
+        bottom.set_yscale("symlog", linthresh=1e-9)  # log above 1e-9, and an exact 0 (most steps) still shows
         bottom.set_ylim(0, 1e-3)
-        bottom.axhline(tolerance, color="red", ls="--", lw=0.8, label=f"tolerance {tolerance:g}")
+        bottom.axhline(grpo.tolerance, color="red", ls="--", lw=0.8, label=f"tolerance {grpo.tolerance:g}")
     else:  # a deliberate mismatch, corrected token by token rather than refused
-        bottom.set_ylim(0, 10)
+        bottom.set_yscale("log")
+        bottom.set_ylim(1e-7, 10)
         bottom.plot([r.step for r in steps], [abs(1 - r.tis_mean) for r in steps], lw=0.8, label="|1 − mean TIS weight|")
+        bottom.axhline(math.log(grpo.tis_cap), color="red", ls="--", lw=0.8,
+                       label=f"ln C = ln {grpo.tis_cap:g}: weights truncated above (trainer over engine)")
     if all(r.max_abs_dlogprob == 0 for r in steps):
         bottom.text(0.5, 0.5, "max |Δ logprob| = 0.0 at every step", transform=bottom.transAxes, ha="center")
     bottom.set_ylabel("engine vs trainer, sampled tokens")
     bottom.set_xlabel("GRPO step")
-    bottom.legend(loc="upper right")
+    bottom.legend(**(dict(loc="upper right") if grpo.tis_cap is None else dict(loc="lower right", fontsize="small")))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -334,7 +342,7 @@ def step_table(records: list[StepRecord], title: str, disaggregated: bool):
     extra = ("sync s", "routing Δ") if disaggregated else ("lifecycle s", "engine MiB", "trainer MiB")
     if asynchronous:
         extra = ("sync s", "pause s", "staleness 0/1/…", "dropped")
-    mismatch_columns = ("mean |Δ lp|", "TIS mean", "truncated") if corrected else ()
+    mismatch_columns = ("mean |Δ lp|", "TIS mean", "tokens truncated") if corrected else ()
     for column in ("step", "accuracy", "reward", "max |Δ lp|", *mismatch_columns, "tok/s", *extra):
         table.add_column(column, justify="right")
     for r in records:
@@ -342,7 +350,7 @@ def step_table(records: list[StepRecord], title: str, disaggregated: bool):
             continue
         cells = [str(r.step), f"{r.accuracy:.3f}", f"{r.reward_mean:.3f}", f"{r.max_abs_dlogprob:.1e}"]
         if corrected:
-            cells += [f"{r.mean_abs_dlogprob:.1e}", f"{r.tis_mean:.4f}", f"{r.tis_truncated_share:.2%}"]
+            cells += [f"{r.mean_abs_dlogprob:.1e}", f"{r.tis_mean:.4f}", str(truncated(r))]
         cells.append(f"{r.rollout_tok_s:.0f}")
         if asynchronous:
             cells += [f"{r.update_s:.3f}", f"{r.pause_s:.3f}", "/".join(map(str, r.staleness)), str(r.dropped)]
@@ -466,7 +474,7 @@ def rl_command(args) -> int:
         console.print(
             f"mismatch corrected by truncated importance sampling (C = {options.grpo.tis_cap:g}): mean |Δ logprob| "
             f"{s['median_mean_abs_dlogprob']:.2e} (median of the steps), mean TIS weight {s['mean_tis_mean']:.4f}, "
-            f"{s['tis_truncated_share']:.2%} of the sampled tokens over the cap"
+            f"{s['tis_truncated']} of the {s['sampled']} sampled tokens over the cap"
         )
     if args.asynchronous:
         console.print(
@@ -482,5 +490,5 @@ def rl_command(args) -> int:
     if args.plot and args.asynchronous:
         plot_async(records, args.plot, title)
     elif args.plot:
-        plot(records, args.plot, title, options.grpo.tolerance)
+        plot(records, args.plot, title, options.grpo)
     return 0
