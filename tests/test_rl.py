@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moeshard import LLM, SamplingParams
 from moeshard.bundled.arithmetic import VOCAB
@@ -18,6 +20,7 @@ from moeshard.demos.disaggregated import run_disaggregated, version_number
 from moeshard.demos.grpo import (GRPOConfig, Rollout, Trainer, clipped_loss, group_advantages, logprob_gap, sampled_logprobs,
                                  tis_weights)
 from moeshard.demos.rl import run_rl
+from moeshard.parallel import Layout
 from test_inflight_updates import GREEDY, PROMPTS
 
 FEW = dict(steps=3, problems=4, group=4, eval_every=2, eval_problems=16)
@@ -84,6 +87,7 @@ def test_a_few_steps_on_1x2_ep_alltoall_agree_with_the_trainer_and_repeat():
     first = run_rl(RLOptions(**FEW))
     assert [r.step for r in first] == [0, 1, 2, 3]
     assert all(r.max_abs_dlogprob <= 1e-4 for r in first[1:])
+    assert all(r.tis_mean is None and r.tis_truncated_share is None for r in first[1:])  # float32: no correction
     assert max(r.max_abs_dlogprob for r in first[1:]) > 0  # transformers' trainer is close, not bitwise
     assert [r.accuracy is not None for r in first] == [True, False, True, True]
     assert all(r.rss_engine_asleep_mb < r.rss_engine_awake_mb for r in first[1:])
@@ -182,6 +186,48 @@ def test_each_version_span_is_checked_under_the_weights_that_sampled_it(kv, bitw
         assert logprob_gap(plain_NS, engine_NS, sampled_NS == 1)["max_abs_dlogprob"] > 1e-3
 
 
+QUANTIZED = dict(FEW, layout=Layout(1, 1), moe_comm="auto", quantization="int8")
+
+
+def test_quantized_rollouts_learn_with_truncated_importance_weights_and_refuse_the_gap_without():
+    """int8 rollouts sample from a policy other than the float32 trainer's: each step quotes the
+    mismatch (far over the 1e-4 a float32 rollout may have) and trains on TIS-weighted tokens, whose
+    mean weight is not 1. The negative control, the same run with no cap, stops at step 1 on the gap;
+    a cap with float32 rollouts is refused (there the gap itself is the check)."""
+    records = run_rl(RLOptions(**QUANTIZED, grpo=GRPOConfig(tis_cap=2.0)))
+    assert [r.step for r in records] == [0, 1, 2, 3] and records[-1].accuracy is not None
+    assert all(r.max_abs_dlogprob > 10 * GRPOConfig.tolerance and 0 < r.mean_abs_dlogprob < r.max_abs_dlogprob
+               for r in records[1:])
+    assert all(r.tis_mean is not None and r.tis_mean != 1.0 and 0 <= r.tis_truncated_share < 1 for r in records[1:])
+    with pytest.raises(LogprobGapError, match="step 1: the engine's logprobs differ from the trainer's"):
+        run_rl(RLOptions(**QUANTIZED))
+    with pytest.raises(ValueError, match="with float32 rollouts any gap over the tolerance is refused"):
+        RLOptions(**FEW, grpo=GRPOConfig(tis_cap=2.0))
+
+
+def test_a_quantized_engine_quantizes_each_update_as_it_quantizes_at_load(tmp_path):
+    """What the quantized loop's sync does: the trainer's float32 weights, sent to an int8 engine after
+    a poisoned wake, give the logprobs (bitwise) of an int8 engine loaded from those weights."""
+    g = torch.Generator().manual_seed(0)
+    weights = {n: w * (1 + 0.05 * torch.randn(w.shape, generator=g)) for n, w in load_file(WEAK_MODEL_DIR / "model.safetensors").items()}
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copy(WEAK_MODEL_DIR / f, tmp_path / f)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+
+    def logprobs(llm):
+        return [o.logprobs for o in llm.generate(PROMPTS, GREEDY)]
+
+    with LLM(str(tmp_path), quantization="int8") as fresh:
+        expected = logprobs(fresh)
+    with LLM(str(WEAK_MODEL_DIR), quantization="int8") as llm:
+        before = logprobs(llm)
+        llm.sleep(level=2)
+        llm.wake_up(["weights"], poison=True)
+        llm.update_weights(weights.items())
+        llm.wake_up(["kv_cache"], poison=True)
+        assert logprobs(llm) == expected != before
+
+
 def test_negative_control_stops_at_the_first_step_after_a_wake(monkeypatch):
     """Derived tensors left as the poisoned wake made them (expert tables and RoPE with wrong but
     in-range values): the engine answers without an error, and only the logprob check catches it."""
@@ -193,10 +239,11 @@ def test_negative_control_stops_at_the_first_step_after_a_wake(monkeypatch):
 
 
 def test_rl_command_writes_json_and_plot(tmp_path):
+    """Quantized (int8, so TIS with its default cap 2): the steps quote the mismatch."""
     out, png = tmp_path / "rl.json", tmp_path / "rl.png"
     proc = subprocess.run(
         [sys.executable, "-m", "moeshard", "rl", "--steps", "2", "--problems", "4", "--group", "2",
-         "--eval-every", "2", "--eval-problems", "8", "--layout", "1x1", "--moe-comm", "auto",
+         "--eval-every", "2", "--eval-problems", "8", "--layout", "1x1", "--moe-comm", "auto", "--quantization", "int8",
          "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=300,
     )
@@ -206,6 +253,8 @@ def test_rl_command_writes_json_and_plot(tmp_path):
     keys = {"step", "reward_mean", "accuracy", "max_abs_dlogprob", "mean_abs_dlogprob", "rollout_tok_s", "update_s",
             "rss_engine_awake_mb", "rss_engine_asleep_mb"}
     assert keys <= set(rows[1])
+    assert all(r["tis_mean"] is not None and r["tis_truncated_share"] is not None for r in rows[1:])
+    assert "mismatch corrected by truncated importance sampling (C = 2)" in proc.stdout
     assert rows[1]["accuracy"] is None and rows[2]["accuracy"] is not None
     assert png.stat().st_size > 10_000
     assert "held-out accuracy" in proc.stdout

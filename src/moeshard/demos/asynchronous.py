@@ -321,6 +321,9 @@ class AsyncLoop:
 
 def run_async(options: RLOptions, asynchronous: AsyncOptions, log_dir: Path, on_step=lambda record: None) -> list[StepRecord]:
     """The asynchronous loop against a `moeshard serve` it starts; one record per step (step 0: the start)."""
+    if options.mismatched:
+        raise ValueError("--async does not take --quantization or --dtype bfloat16 yet: its per-version gap check has no "
+                         "importance-sampling correction.")
     start = time.monotonic()
     _, excluded = held_out_split(options)
     with beside_rollouts():

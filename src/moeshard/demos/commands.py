@@ -51,6 +51,12 @@ def add_commands(registry: Registry) -> None:
         help="leave the derived tensors as the poisoned wake made them: the run must stop at the first step after a wake",
     )
     add_batch_invariant(rlp)
+    rlp.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                     help="the engine's (default: float32, the trainer's; bfloat16 with --quantization)")
+    add_quantization(rlp)
+    rlp.add_argument("--tis-cap", default="auto", metavar="C|none",
+                     help="rollouts in bfloat16 or quantized: weight each sampled token by min(π_trainer / π_engine, C) "
+                          "instead of refusing the gap (default 2 for them; none: refuse the gap as float32 does)")
     rlp.add_argument(
         "--disaggregated", action="store_true",
         help="the engine as `moeshard serve` in processes of its own, rollouts over HTTP, weights over a process group",

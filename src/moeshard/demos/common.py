@@ -38,6 +38,37 @@ class RLOptions:
     block_size: int = 4
     model: Path = WEAK_MODEL_DIR
     grpo: GRPOConfig = GRPOConfig()
+    # The engine's numbers. float32 is the trainer's, so any gap is a bug and refused; bfloat16 or
+    # quantized weights (quantized again at every sync: docs/quantization.md) sample from a policy
+    # that differs from the trainer's on purpose, which grpo.tis_cap corrects (docs/rl.md).
+    dtype: str | None = None  # None: float32, or bfloat16 with quantization (quantized weights compute in it)
+    quantization: str | None = None
+    quantization_skip: tuple[str, ...] = ()
+    quantization_group: int = 128
+
+    def __post_init__(self):
+        if self.grpo.tis_cap is not None and not self.mismatched:
+            raise ValueError(
+                "truncated importance sampling (tis_cap) corrects rollouts computed otherwise than the trainer "
+                "(quantization, or dtype bfloat16); with float32 rollouts any gap over the tolerance is refused instead."
+            )
+        if self.mismatched and self.grpo.batch_invariant:
+            raise ValueError("batch_invariant trains on the engine's float32 logprobs bit for bit; it cannot run with "
+                             f"dtype={self.engine_dtype!r}, quantization={self.quantization!r}.")
+
+    @property
+    def engine_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.quantization else "float32")
+
+    @property
+    def mismatched(self) -> bool:
+        """The engine samples from a policy other than the trainer's float32 one, on purpose."""
+        return self.engine_dtype != "float32" or self.quantization is not None
+
+    def engine_options(self) -> dict:
+        """LLM's numeric options: dtype and quantization."""
+        return dict(dtype=self.engine_dtype, quantization=self.quantization, quantization_skip=self.quantization_skip,
+                    quantization_group=self.quantization_group)
 
     @property
     def per_group(self) -> int:
@@ -53,6 +84,8 @@ class StepRecord:
     max_abs_dlogprob: float | None = None  # engine vs trainer on this step's sampled tokens
     mean_abs_dlogprob: float | None = None
     max_ratio_deviation: float | None = None  # max |exp(trainer − engine) − 1|: the importance ratio's error
+    tis_mean: float | None = None  # with truncated importance sampling: the sampled tokens' mean weight
+    tis_truncated_share: float | None = None  # … and the share of them whose ratio was over the cap
     rollout_tokens: int | None = None  # completion tokens the server sampled for this step (async: since the step before)
     rollout_tok_s: float | None = None
     sleep_s: float | None = None
@@ -101,3 +134,9 @@ def train_on(trainer, rollout: Rollout, step: int, tolerance: float) -> tuple[di
             f"{report['max_ratio_deviation']:.3g}); the rollout was not trained on."
         )
     return report, time.perf_counter() - t0
+
+
+def mismatch(report: dict) -> dict:
+    """A step record's engine-vs-trainer fields from the trainer's report (TIS's where it applied them)."""
+    fields = ("max_abs_dlogprob", "mean_abs_dlogprob", "max_ratio_deviation", "tis_mean", "tis_truncated_share")
+    return {k: report.get(k) for k in fields}

@@ -29,7 +29,7 @@ import openai
 import torch
 
 from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, exact_matches, held_out
-from moeshard.demos.common import RLOptions, StepRecord, reward, train_on, training_problems
+from moeshard.demos.common import RLOptions, StepRecord, mismatch, reward, train_on, training_problems
 from moeshard.demos.grpo import Rollout, Trainer, group_advantages
 from moeshard.demos.remote import RemoteEngine
 from moeshard.engine.core import INITIAL_VERSION
@@ -109,7 +109,7 @@ def rollout_of(choices, rewards: list[float], group: int, layers: int, top_k: in
 
 
 def server_flags(options: RLOptions) -> tuple[str, ...]:
-    """`moeshard serve`'s arguments for the loop's layout and engine options (fp32: the trainer's)."""
+    """`moeshard serve`'s arguments for the loop's layout and engine options (its --dtype aside)."""
     layout, per_group = options.layout, options.per_group
     return (
         "--tp", str(layout.tp), "--dp", str(layout.dp), "--ep" if layout.ep else "--no-ep", "--moe-comm", options.moe_comm,
@@ -117,6 +117,9 @@ def server_flags(options: RLOptions) -> tuple[str, ...]:
         *(("--no-enable-prefix-caching",) if not options.prefix_caching else ()),
         *(("--compile", "--compile-backend", options.compile) if options.compile else ()),
         *(("--batch-invariant",) if options.grpo.batch_invariant else ()),
+        *(("--quantization", options.quantization, "--quantization-group", str(options.quantization_group))
+          if options.quantization else ()),
+        *(arg for name in options.quantization_skip for arg in ("--quantization-skip", name)),
     )
 
 
@@ -133,7 +136,7 @@ def version_number(name: str) -> int:
 def serving(options: RLOptions, log_dir: Path, *flags: str) -> Iterator[str]:
     """A `moeshard serve` for the loop (server_flags, then `flags`), its base URL while the block runs."""
     port = free_port()
-    command = serve_command(str(options.model), port, max(options.per_group, 16), "float32", (*server_flags(options), *flags))
+    command = serve_command(str(options.model), port, max(options.per_group, 16), options.engine_dtype, (*server_flags(options), *flags))
     env = {**os.environ, "OMP_NUM_THREADS": str(SERVER_THREADS)}
     with running("moeshard", command, env, port, log_dir / "moeshard-serve.log"):
         yield f"http://127.0.0.1:{port}"
@@ -204,9 +207,8 @@ class Session:
         update_s, _ = self.send_weights(step)
         tokens = int(rollout.completion_NS.sum())
         return StepRecord(
-            step=step, reward_mean=sum(rewards) / len(rewards), max_abs_dlogprob=report["max_abs_dlogprob"],
-            mean_abs_dlogprob=report["mean_abs_dlogprob"], max_ratio_deviation=report["max_ratio_deviation"],
-            rollout_tokens=tokens, rollout_tok_s=tokens / rollout_s, update_s=update_s, train_s=train_s,
+            step=step, reward_mean=sum(rewards) / len(rewards), **mismatch(report), rollout_tokens=tokens,
+            rollout_tok_s=tokens / rollout_s, update_s=update_s, train_s=train_s,
             routing_disagreement=trainer.replay.disagreement() if self.replay else None,
         )
 

@@ -42,6 +42,13 @@ class GRPOConfig:
     tis_cap: float | None = None
     batch_invariant: bool = False  # the logprobs trained on are the engine's own computation (EngineMirror)
 
+    def __post_init__(self):
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be a positive number (the largest importance weight), got {self.tis_cap!r}.")
+
+
+TIS_CAP = 2.0  # the cap C of the truncated importance weights where rollouts are quantized: verl's
+
 
 @dataclass(frozen=True)
 class Rollout:

@@ -13,13 +13,17 @@ script on an imperfect teacher, one that forgets to carry in 3 answers of 5
 accuracy 0.29), yet it samples the right answer 2 times in 5: what RL with a verifier is for. It
 is float32, so trainer and engine hold the same numbers. A gap between the engine's logprobs and
 the trainer's over the tolerance stops the run with an error naming it, before the trainer trains
-on it.
+on it. With quantized (or bf16) rollouts the engine's policy differs from the trainer's on purpose:
+the engine quantizes the trainer's float32 weights at every sync, and instead of refusing the gap
+the trainer weights each sampled token by min(π_trainer / π_engine, C) (token-level truncated
+importance sampling, C = 2 as verl's rollout correction), each step quoting the mismatch.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -31,10 +35,11 @@ from pathlib import Path
 import torch
 
 from moeshard.bundled.arithmetic import ANSWER_TOKENS, HELD_OUT, Problem, exact_matches, held_out
-from moeshard.demos.common import WEAK_MODEL_DIR, LogprobGapError, RLOptions, StepRecord, reward, train_on, training_problems
+from moeshard.demos.common import (WEAK_MODEL_DIR, LogprobGapError, RLOptions, StepRecord, mismatch, reward, train_on,
+                                   training_problems)
 from moeshard.demos.asynchronous import AsyncOptions, run_async
 from moeshard.demos.disaggregated import run_disaggregated, version_number
-from moeshard.demos.grpo import GRPOConfig, Rollout, group_advantages, receive_weights, serve_trainer
+from moeshard.demos.grpo import TIS_CAP, GRPOConfig, Rollout, group_advantages, receive_weights, serve_trainer
 from moeshard.engine import LLM, SamplingParams
 from moeshard.parallel import Layout
 from moeshard.verify.eval import GREEDY
@@ -116,7 +121,8 @@ def run_rl(options: RLOptions, on_step=lambda record: None) -> list[StepRecord]:
             enable_sequence_parallel=options.layout.sp,
             moe_comm=options.moe_comm,
             compile=options.compile,
-            dtype="float32",  # the trainer's: the on-policy check compares the two logprob for logprob
+            # float32 by default, the trainer's: the on-policy check compares the two logprob for logprob
+            **options.engine_options(),
             max_num_seqs=max(per_group, 16),
             max_num_batched_tokens=max(per_group * 8, 512),
             seed=options.seed,
@@ -181,9 +187,7 @@ def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, r
     return StepRecord(
         step=step,
         reward_mean=sum(rewards) / len(rewards),
-        max_abs_dlogprob=report["max_abs_dlogprob"],
-        mean_abs_dlogprob=report["mean_abs_dlogprob"],
-        max_ratio_deviation=report["max_ratio_deviation"],
+        **mismatch(report),
         rollout_tokens=int(rollout.completion_NS.sum()),
         rollout_tok_s=int(rollout.completion_NS.sum()) / rollout_s,
         sleep_s=sleep_s,
@@ -195,6 +199,11 @@ def one_step(llm: LLM, trainer: TrainerProcess, options: RLOptions, step: int, r
         rss_trainer_awake_mb=report["rss_trainer_awake_mb"],
         rss_trainer_asleep_mb=report["rss_trainer_asleep_mb"],
     )
+
+
+def truncated(record: StepRecord) -> int:
+    """The step's sampled tokens whose importance weight was truncated at the cap."""
+    return round(record.tis_truncated_share * record.rollout_tokens)
 
 
 def median(values: list[float]) -> float:
@@ -218,6 +227,10 @@ def summary(records: list[StepRecord]) -> dict:
     }
     if steps[0].pause_s is not None:
         out.update(async_figures(steps))
+    if steps[0].tis_mean is not None:  # rollouts corrected by truncated importance sampling
+        out.update(median_mean_abs_dlogprob=median([r.mean_abs_dlogprob for r in steps]),
+                   mean_tis_mean=sum(r.tis_mean for r in steps) / len(steps),
+                   tis_truncated=sum(truncated(r) for r in steps), sampled=sum(r.rollout_tokens for r in steps))
     if steps[0].rss_engine_asleep_mb is not None:  # colocated: what the engine released asleep
         # From step 2 on, the KV cache has been written whole (a poisoned wake touches every page);
         # before, untouched zero pages of a fresh cache are not resident and cannot be released.
@@ -280,7 +293,7 @@ def plot_async(records: list[StepRecord], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> None:
+def plot(records: list[StepRecord], path: str, title: str, grpo: GRPOConfig) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,17 +307,24 @@ def plot(records: list[StepRecord], path: str, title: str, tolerance: float) -> 
     top.set_ylabel("exact match")
     top.set_ylim(0, 1)
     top.legend(loc="lower right")
-    top.set_title(title)
+    top.set_title(title, fontsize="small")
     bottom.plot([r.step for r in steps], [r.max_abs_dlogprob for r in steps], lw=0.8, label="max |Δ logprob|")
     bottom.plot([r.step for r in steps], [r.mean_abs_dlogprob for r in steps], lw=0.8, label="mean |Δ logprob|")
-    bottom.set_yscale("symlog", linthresh=1e-9)  # log above 1e-9, and an exact 0 (most steps) still shows
-    bottom.set_ylim(0, 1e-3)
-    bottom.axhline(tolerance, color="red", ls="--", lw=0.8, label=f"tolerance {tolerance:g}")
+    if grpo.tis_cap is None:
+        bottom.set_yscale("symlog", linthresh=1e-9)  # log above 1e-9, and an exact 0 (most steps) still shows
+        bottom.set_ylim(0, 1e-3)
+        bottom.axhline(grpo.tolerance, color="red", ls="--", lw=0.8, label=f"tolerance {grpo.tolerance:g}")
+    else:  # a deliberate mismatch, corrected token by token rather than refused
+        bottom.set_yscale("log")
+        bottom.set_ylim(1e-7, 10)
+        bottom.plot([r.step for r in steps], [abs(1 - r.tis_mean) for r in steps], lw=0.8, label="|1 − mean TIS weight|")
+        bottom.axhline(math.log(grpo.tis_cap), color="red", ls="--", lw=0.8,
+                       label=f"ln C = ln {grpo.tis_cap:g}: weights truncated above (trainer over engine)")
     if all(r.max_abs_dlogprob == 0 for r in steps):
         bottom.text(0.5, 0.5, "max |Δ logprob| = 0.0 at every step", transform=bottom.transAxes, ha="center")
     bottom.set_ylabel("engine vs trainer, sampled tokens")
     bottom.set_xlabel("GRPO step")
-    bottom.legend(loc="upper right")
+    bottom.legend(**(dict(loc="upper right") if grpo.tis_cap is None else dict(loc="lower right", fontsize="small")))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -318,15 +338,20 @@ def step_table(records: list[StepRecord], title: str, disaggregated: bool):
 
     table = Table(title=title)
     asynchronous = records[-1].pause_s is not None
+    corrected = records[-1].tis_mean is not None
     extra = ("sync s", "routing Δ") if disaggregated else ("lifecycle s", "engine MiB", "trainer MiB")
     if asynchronous:
         extra = ("sync s", "pause s", "staleness 0/1/…", "dropped")
-    for column in ("step", "accuracy", "reward", "max |Δ lp|", "tok/s", *extra):
+    mismatch_columns = ("mean |Δ lp|", "TIS mean", "tokens truncated") if corrected else ()
+    for column in ("step", "accuracy", "reward", "max |Δ lp|", *mismatch_columns, "tok/s", *extra):
         table.add_column(column, justify="right")
     for r in records:
         if r.accuracy is None or r.step == 0:
             continue
-        cells = [str(r.step), f"{r.accuracy:.3f}", f"{r.reward_mean:.3f}", f"{r.max_abs_dlogprob:.1e}", f"{r.rollout_tok_s:.0f}"]
+        cells = [str(r.step), f"{r.accuracy:.3f}", f"{r.reward_mean:.3f}", f"{r.max_abs_dlogprob:.1e}"]
+        if corrected:
+            cells += [f"{r.mean_abs_dlogprob:.1e}", f"{r.tis_mean:.4f}", str(truncated(r))]
+        cells.append(f"{r.rollout_tok_s:.0f}")
         if asynchronous:
             cells += [f"{r.update_s:.3f}", f"{r.pause_s:.3f}", "/".join(map(str, r.staleness)), str(r.dropped)]
         elif disaggregated:
@@ -338,13 +363,29 @@ def step_table(records: list[StepRecord], title: str, disaggregated: bool):
     return table
 
 
+def tis_cap_of(text: str, mismatched: bool) -> float | None:
+    """`--tis-cap`: "auto" (C = 2 where the rollouts differ from the trainer on purpose, else none),
+    "none" or a number."""
+    if text == "auto":
+        return TIS_CAP if mismatched else None
+    if text == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--tis-cap takes a positive number, auto or none, not {text!r}.") from None
+
+
 def rl_command(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from moeshard.commandline import quantization_options
+
     console = Console(highlight=False)
     if args.negative_control:
         os.environ["MOESHARD_UNSAFE_SKIP_DERIVED_REBUILD"] = "1"  # read by the engine it builds
+    mismatched = args.dtype == "bfloat16" or args.quantization is not None
     options = RLOptions(
         steps=args.steps,
         minutes=args.minutes,
@@ -360,7 +401,10 @@ def rl_command(args) -> int:
         model=Path(args.model) if args.model else WEAK_MODEL_DIR,
         # Batch-invariant: the trainer's logprobs are the engine's bit for bit, so any difference stops the run.
         grpo=GRPOConfig(lr=args.lr, batch_invariant=args.batch_invariant,
-                        tolerance=0.0 if args.batch_invariant else GRPOConfig.tolerance),
+                        tolerance=0.0 if args.batch_invariant else GRPOConfig.tolerance,
+                        tis_cap=tis_cap_of(args.tis_cap, mismatched)),
+        dtype=args.dtype,
+        **quantization_options(args),
     )
     if args.disaggregated and args.negative_control:
         raise ValueError("--negative-control is for the colocated loop (its poisoned wakes); drop --disaggregated.")
@@ -379,6 +423,8 @@ def rl_command(args) -> int:
         f"GRPO on {options.layout.label()}{' (moeshard serve)' if args.disaggregated else ''}, {options.moe_comm}"
         f"{', compiled' if options.compile else ''}{', batch-invariant' if options.grpo.batch_invariant else ''}"
         f"{', routing replay' if args.routing_replay else ''}"
+        f"{f', {options.quantization} weights' if options.quantization else ''}{', bf16' if options.engine_dtype == 'bfloat16' else ''}"
+        f"{f', TIS C = {options.grpo.tis_cap:g}' if options.grpo.tis_cap is not None else ''}"
         f"{f', async ({asynchronous.kv_after_update}, max staleness {asynchronous.max_staleness})' if args.asynchronous else ''}"
         f": {options.problems} problems × {options.group} completions a step"
     )
@@ -407,6 +453,9 @@ def rl_command(args) -> int:
                 records = run_rl(options, on_step)
         except LogprobGapError as exc:
             console.print(f"[bold red]stopped[/]: {exc}")
+            if options.mismatched:
+                console.print("rollouts in bfloat16 or quantized differ from the float32 trainer on purpose: "
+                              "--tis-cap C corrects them token by token (default 2) instead of refusing the gap.")
             return 1
     console.print(step_table(records, title, args.disaggregated))
     s = summary(records)
@@ -421,6 +470,12 @@ def rl_command(args) -> int:
         f"worst max |Δ logprob| {s['worst_max_abs_dlogprob']:.2e} (importance ratio within "
         f"{s['worst_max_ratio_deviation']:.2e} of 1); {where}"
     )
+    if "mean_tis_mean" in s:
+        console.print(
+            f"mismatch corrected by truncated importance sampling (C = {options.grpo.tis_cap:g}): mean |Δ logprob| "
+            f"{s['median_mean_abs_dlogprob']:.2e} (median of the steps), mean TIS weight {s['mean_tis_mean']:.4f}, "
+            f"{s['tis_truncated']} of the {s['sampled']} sampled tokens over the cap"
+        )
     if args.asynchronous:
         console.print(
             f"rollouts paused {s['median_pause_s']:.3f} s a sync (median; max {s['max_pause_s']:.3f} s), one weights "
@@ -435,5 +490,5 @@ def rl_command(args) -> int:
     if args.plot and args.asynchronous:
         plot_async(records, args.plot, title)
     elif args.plot:
-        plot(records, args.plot, title, options.grpo.tolerance)
+        plot(records, args.plot, title, options.grpo)
     return 0
