@@ -89,6 +89,15 @@ def add_commands(registry: Registry) -> None:
     bload.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one load, in a process of its own
     bload.add_argument("--json", metavar="PATH")
     bload.set_defaults(run=lazy("moeshard.bench.load", "run_bench_load"))
+    bckpt = registry.command(
+        "benchmark", "bench checkpoint", "write a random int4 checkpoint (compressed-tensors W4A16) of a bench model shape at any depth",
+        "moeshard bench checkpoint /tmp/q30b-int4 --model-shape qwen3-30b-a3b --layers 48", under=bench,
+    )
+    bckpt.add_argument("directory")
+    bckpt.add_argument("--model-shape", default="qwen3-30b-a3b", help="small or qwen3-30b-a3b (see bench e2e)")
+    bckpt.add_argument("--layers", type=int, default=48, help="decoder layers (qwen3-30b-a3b has 48)")
+    bckpt.add_argument("--seed", type=int, default=0)
+    bckpt.set_defaults(run=lazy("moeshard.bench.random_checkpoint", "run_bench_checkpoint"))
     bsrv = registry.command(
         "benchmark", "bench serve", "a serving benchmark client (vllm bench serve's shape), optionally against transformers serve",
         "moeshard bench serve --against vllm --max-concurrency 16 --repeats 5 --threads 1", under=bench,

@@ -149,6 +149,11 @@ class Panels(InComputeDtype):
         steps, values = input_steps(cols, values.expand(block_shape(self.shape, dest)), self.step)
         write_panel_rows(storage[lead], rows.start, values, steps)
 
+    def padded(self) -> bool:
+        """The storage holds padding (outputs past N, inputs past K)."""
+        N, K = self.shape[-2:]
+        return bool(N % PANEL) or self.inputs > K
+
     def zero_padding(self, storage: torch.Tensor) -> None:
         N, K = self.shape[-2:]
         if N % PANEL:
@@ -213,6 +218,10 @@ class GateUpPanels(InComputeDtype):
                 take = min(TILE - row, n - done)
                 write_panel_rows(panels, tile * 2 * TILE + half * TILE + row, values[..., done : done + take, :], steps)
                 done += take
+
+    def padded(self) -> bool:
+        """The storage holds padding (the intermediate size padded to a multiple of 32)."""
+        return kernels.padded_intermediate(self.intermediate) > self.intermediate
 
     def zero_padding(self, storage: torch.Tensor) -> None:
         *lead, _, D = self.shape
@@ -380,13 +389,13 @@ class QuantizedPanels:
     def zero_padding(self, storage: torch.Tensor) -> None:
         value_layout, group_layout = self.layouts()
         values, scale, zero = self.parts(storage)
-        if self.fmt.kind == "int4":  # every load writes the same bytes: digests compare padding too
+        if self.fmt.kind != "int4":
+            value_layout.zero_padding(values)
+        elif value_layout.padded():  # every load writes the same bytes: digests compare padding too
             offset = self.int4_offset()
             scratch = unfold_nibbles(values) ^ offset
             value_layout.zero_padding(scratch)
             fold_nibbles(scratch ^ offset, values)
-        else:
-            value_layout.zero_padding(values)
         group_layout.zero_padding(scale)
         if zero is not None:
             group_layout.zero_padding(zero)
