@@ -75,9 +75,10 @@ def run_bench_load(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.model or larger_model(tmp + "/model", args.model_shape, getattr(torch, args.dtype))
         disk_mib = sum(f.stat().st_size for f in Path(directory).glob("*.safetensors")) / 2**20
-        runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+        settings = {name: s for name, s in SETTINGS.items() if args.torch_ops or s == "1"}
+        runs: dict[str, list[dict]] = {name: [] for name in settings}
         for _ in range(args.repeats):
-            for name, setting in SETTINGS.items():
+            for name, setting in settings.items():
                 child = subprocess.run(
                     [sys.executable, "-m", "moeshard.cli", "bench", "load", "--child", "--model", directory,
                      "--dtype", args.dtype, "--threads", str(args.threads)],
