@@ -68,6 +68,8 @@ def add_commands(registry: Registry) -> None:
                       help="the random weights are written, and every contender serves them, in this dtype")
     be2e.add_argument("--model-shapes", type=lambda t: t.split(","), default=["small"],
                       help="comma-separated: small, qwen3-30b-a3b (2 layers of Qwen3-30B-A3B, ~3.7 GB in bf16)")
+    be2e.add_argument("--model", default=None, metavar="DIR",
+                      help="a checkpoint instead of --model-shapes' random ones (e.g. bench checkpoint's int4 model)")
     be2e.add_argument("--against", default="transformers",
                       help="comma-separated peers: transformers (static and continuous batching), vllm (scripts/peers.sh), "
                            "llama.cpp (scripts/peers.sh llama.cpp; one contender per --llama-formats), "
@@ -101,9 +103,20 @@ def add_commands(registry: Registry) -> None:
     bload.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     bload.add_argument("--threads", type=int, default=1)
     bload.add_argument("--repeats", type=int, default=3, help="loads per setting, alternated; medians and spread reported")
+    bload.add_argument("--torch-ops", action=argparse.BooleanOptionalAction, default=True,
+                       help="also load with MOESHARD_CPU_KERNELS=0 (Hugging Face's layout), alternated")
     bload.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one load, in a process of its own
     bload.add_argument("--json", metavar="PATH")
     bload.set_defaults(run=lazy("moeshard.bench.load", "run_bench_load"))
+    bckpt = registry.command(
+        "benchmark", "bench checkpoint", "write a random int4 checkpoint (compressed-tensors W4A16) of a bench model shape at any depth",
+        "moeshard bench checkpoint /tmp/q30b-int4 --model-shape qwen3-30b-a3b --layers 48", under=bench,
+    )
+    bckpt.add_argument("directory")
+    bckpt.add_argument("--model-shape", default="qwen3-30b-a3b", help="small or qwen3-30b-a3b (see bench e2e)")
+    bckpt.add_argument("--layers", type=int, default=48, help="decoder layers (qwen3-30b-a3b has 48)")
+    bckpt.add_argument("--seed", type=int, default=0)
+    bckpt.set_defaults(run=lazy("moeshard.bench.random_checkpoint", "run_bench_checkpoint"))
     bsrv = registry.command(
         "benchmark", "bench serve", "a serving benchmark client (vllm bench serve's shape), optionally against transformers serve",
         "moeshard bench serve --against vllm --max-concurrency 16 --repeats 5 --threads 1", under=bench,

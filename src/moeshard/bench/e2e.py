@@ -58,6 +58,7 @@ from moeshard.bench.floor import DecodeFloor, decode_floor
 from moeshard.bench.peers import LLAMA_FORMATS, LlamaCpp, VllmOffline, gguf_files, llamacpp_python, vllm_python
 from moeshard.commandline import quantization_options
 from moeshard.engine.core import StepStats
+from moeshard.models.checkpoint import read_config
 from moeshard.verify.tiny import spread_init
 
 MODEL_SHAPES = {
@@ -451,14 +452,16 @@ def run_bench_e2e(args) -> int:
         + len(formats))
     reference = ""
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("bench e2e", total=len(args.model_shapes) * points)
-        for shape in args.model_shapes:
+        shapes = [args.model] if args.model else args.model_shapes
+        task = progress.add_task("bench e2e", total=len(shapes) * points)
+        for shape in shapes:
             with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
                 progress.update(task, description=f"{shape}: writing random weights")
-                directory = larger_model(tmp + "/model", shape, dtype)
+                directory = args.model or larger_model(tmp + "/model", shape, dtype)
+                vocab = read_config(directory)["vocab_size"]
                 hf = (transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
                       if "transformers" in against else None)
-                prompts, outputs = workload.make(MODEL_SHAPES[shape]["vocab_size"])
+                prompts, outputs = workload.make(vocab)
                 if formats:
                     progress.update(task, description=f"{shape}: converting to GGUF ({', '.join(formats)})")
                 ggufs = gguf_files(directory, formats, max(args.threads), Path(tmp) / "llamacpp-convert.log") if formats else {}
@@ -487,7 +490,7 @@ def run_bench_e2e(args) -> int:
                     for engine in engines:
                         progress.update(task, description=f"{shape}, {threads} thread(s): {engine.name}'s floors")
                         floors += [(shape, engine.name, decode_floor(
-                            engine.llm, c, min(typical, context - args.repeats - 3), MODEL_SHAPES[shape]["vocab_size"],
+                            engine.llm, c, min(typical, context - args.repeats - 3), vocab,
                             args.repeats)) for c in args.concurrency]
                 del hf
     print_table(console, rows, workload, reference)

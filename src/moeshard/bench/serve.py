@@ -422,17 +422,22 @@ def url_target(base_url: str) -> Target:
 def random_model(directory: Path, dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> str:
     """The issue's random Qwen3-MoE (see `bench e2e`) with a tokenizer whose every id is one word
     "t<id>", so that random ids survive the trip through text exactly."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from moeshard.bench.e2e import LARGER_QWEN3_MOE, larger_model
 
     larger_model(str(directory), dtype=dtype, max_positions=max_positions)
+    word_tokenizer(directory, LARGER_QWEN3_MOE["vocab_size"])
+    return str(directory)
+
+
+def word_tokenizer(directory: Path, vocab: int) -> None:
+    """Save into `directory` a tokenizer of `vocab` ids, each one word "t<id>" but the specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<pad>", "<bos>", "<eos>"]
-    words = specials + [f"t{i}" for i in range(len(specials), LARGER_QWEN3_MOE["vocab_size"])]
+    words = specials + [f"t{i}" for i in range(len(specials), vocab)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(specials)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>",
                             eos_token="<eos>").save_pretrained(directory)
-    return str(directory)

@@ -145,6 +145,11 @@ class Panels(InComputeDtype):
         steps, values = input_steps(cols, values.expand(block_shape(self.shape, dest)), self.step)
         write_panel_rows(storage[lead], rows.start, values, steps)
 
+    def padded(self) -> bool:
+        """The storage holds padding (outputs past N, inputs past K)."""
+        N, K = self.shape[-2:]
+        return bool(N % PANEL) or self.inputs > K
+
     def zero_padding(self, storage: torch.Tensor, value: int = 0) -> None:
         """Zeros (or `value`: a quantized layout's byte of level 0) where no block writes."""
         N, K = self.shape[-2:]
@@ -210,6 +215,10 @@ class GateUpPanels(InComputeDtype):
                 take = min(TILE - row, n - done)
                 write_panel_rows(panels, tile * 2 * TILE + half * TILE + row, values[..., done : done + take, :], steps)
                 done += take
+
+    def padded(self) -> bool:
+        """The storage holds padding (the intermediate size padded to a multiple of 32)."""
+        return kernels.padded_intermediate(self.intermediate) > self.intermediate
 
     def zero_padding(self, storage: torch.Tensor, value: int = 0) -> None:
         *lead, _, D = self.shape
@@ -359,13 +368,13 @@ class QuantizedPanels:
     def zero_padding(self, storage: torch.Tensor) -> None:
         value_layout, group_layout = self.layouts()
         values, scale, zero = self.parts(storage)
-        if self.fmt.kind == "int4":  # every load writes the same bytes: digests compare padding too
+        if self.fmt.kind != "int4":  # level 0's byte (128 for symmetric int8 with int8 activations), as the kernels' packing pads
+            value_layout.zero_padding(values, kernels.level_offset(self.fmt))
+        elif value_layout.padded():  # every load writes the same bytes: digests compare padding too
             offset = kernels.level_offset(self.fmt)
             scratch = kernels.unfold_int4(values, self.fmt) ^ offset
             value_layout.zero_padding(scratch)
             kernels.fold_int4(scratch ^ offset, values, self.fmt)
-        else:  # level 0's byte (128 for symmetric int8 with int8 activations), as the kernels' packing pads
-            value_layout.zero_padding(values, kernels.level_offset(self.fmt))
         group_layout.zero_padding(scale)
         if zero is not None:
             group_layout.zero_padding(zero)

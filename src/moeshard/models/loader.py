@@ -97,6 +97,7 @@ def write(param: nn.Parameter, load: ShardLoad, source: TensorSource) -> None:
             if b.view is not None or b.pick:
                 raise CheckpointError(f"{b.name} is stored quantized, and moeshard reads it only as whole blocks.")
             layout.write(param.data, b.dest, source.read_quantized(b.name, b.shape, b.index))
+            source.release_quantized(b.name)
             continue
         block = source.read(b.name, b.shape, b.index)
         if b.view is not None:

@@ -650,6 +650,14 @@ class QuantizedSource(TensorSource):
             return self.stored.block(name, index)
         return dequantize(self.read_quantized(name, self.shape(name), index))
 
+    def release(self, block: torch.Tensor) -> None:
+        self.stored.release(block)
+
+    def release_quantized(self, name: str) -> None:
+        """Weight `name`'s stored tensors are read: the memory held to read them may go."""
+        for stored in self.stored_names(name):
+            self.stored.release(self.stored.block(stored, ()))
+
     def finish(self, *args, **kwargs) -> None:
         self.stored.finish(*args, **kwargs)
 

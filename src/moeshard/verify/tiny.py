@@ -95,25 +95,30 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
+def spread(name: str, fan_in: int) -> tuple[float, float]:
+    """(std, mean) of parameter `name` of `fan_in` inputs: unit-scale weights (std 1/√fan_in),
+    routers 4× wider, norm weights near 1, small biases."""
+    if "norm" in name:
+        return 0.2, 1.0
+    if name.endswith("bias"):
+        return 0.1, 0.0
+    if "embed_tokens" in name:
+        return 1.0, 0.0
+    if name.endswith("gate.weight"):  # a router
+        return 4.0 / fan_in**0.5, 0.0
+    return 1.0 / max(fan_in, 1) ** 0.5, 0.0
+
+
 @torch.no_grad()
 def spread_init(model: torch.nn.Module, seed: int) -> None:
-    """Unit-scale weights (std 1/√fan_in), routers 4× wider, norm weights near 1, small biases."""
+    """Every parameter drawn normal with its `spread`."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
         t.copy_(torch.randn(t.shape, generator=g) * std + mean)
 
     for name, p in model.named_parameters():
-        if "norm" in name:
-            draw(p, 0.2, 1.0)
-        elif name.endswith("bias"):
-            draw(p, 0.1)
-        elif "embed_tokens" in name:
-            draw(p, 1.0)
-        elif name.endswith("gate.weight"):  # a router
-            draw(p, 4.0 / p.shape[-1] ** 0.5)
-        else:
-            draw(p, 1.0 / max(p.shape[-1], 1) ** 0.5)
+        draw(p, *spread(name, p.shape[-1]))
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             draw(b, 0.05)
