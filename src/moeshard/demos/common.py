@@ -45,6 +45,7 @@ class RLOptions:
     quantization: str | None = None
     quantization_skip: tuple[str, ...] = ()
     quantization_group: int = 128
+    quantize_activations: bool = False
 
     def __post_init__(self):
         if self.grpo.tis_cap is not None and not self.mismatched:
@@ -68,7 +69,7 @@ class RLOptions:
     def engine_options(self) -> dict:
         """LLM's numeric options: dtype and quantization."""
         return dict(dtype=self.engine_dtype, quantization=self.quantization, quantization_skip=self.quantization_skip,
-                    quantization_group=self.quantization_group)
+                    quantization_group=self.quantization_group, quantize_activations=self.quantize_activations)
 
     @property
     def per_group(self) -> int:

@@ -120,6 +120,7 @@ def server_flags(options: RLOptions) -> tuple[str, ...]:
         *(("--quantization", options.quantization, "--quantization-group", str(options.quantization_group))
           if options.quantization else ()),
         *(arg for name in options.quantization_skip for arg in ("--quantization-skip", name)),
+        *(("--quantize-activations",) if options.quantize_activations else ()),
     )
 
 
